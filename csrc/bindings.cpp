@@ -1,0 +1,69 @@
+// The only pybind11 file: exposes the C++ core as pyreducer._C.
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "bucketing.h"
+#include "reducer.h"
+
+namespace py = pybind11;
+
+namespace pyreducer {
+namespace {
+
+py::list assign_buckets_py(const std::vector<int64_t>& sizes_bytes,
+                           const std::vector<std::string>& group_keys,
+                           const std::vector<int64_t>& walk_order,
+                           const std::vector<int64_t>& caps_bytes) {
+  if (sizes_bytes.size() != group_keys.size()) {
+    throw std::invalid_argument("assign_buckets: expected one group key per size, got " +
+                                std::to_string(group_keys.size()) + " keys for " +
+                                std::to_string(sizes_bytes.size()) + " sizes");
+  }
+  std::vector<ParamSpec> params(sizes_bytes.size());
+  for (size_t i = 0; i < params.size(); ++i) params[i] = ParamSpec{sizes_bytes[i], group_keys[i]};
+  py::list result;
+  for (const BucketSpec& bucket : assign_buckets(params, walk_order, caps_bytes)) {
+    py::dict entry;
+    entry["param_indices"] = bucket.param_indices;
+    entry["size_bytes"] = bucket.size_bytes;
+    entry["cap_bytes"] = bucket.cap_bytes;
+    result.append(entry);
+  }
+  return result;
+}
+
+py::list bucket_layout(const Reducer& reducer) {
+  py::list result;
+  for (const Bucket& bucket : reducer.buckets()) {
+    py::dict entry;
+    entry["param_indices"] = bucket.param_indices;
+    entry["size_bytes"] = bucket.size_bytes;
+    result.append(entry);
+  }
+  return result;
+}
+
+}  // namespace
+}  // namespace pyreducer
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using pyreducer::Reducer;
+  m.doc() = "pyreducer C++ core: bucket planner and gradient Reducer";
+  m.attr("DEFAULT_FIRST_BUCKET_CAP_BYTES") = pyreducer::kDefaultFirstBucketCapBytes;
+  m.attr("DEFAULT_BUCKET_CAP_BYTES") = pyreducer::kDefaultBucketCapBytes;
+  m.def("assign_buckets", &pyreducer::assign_buckets_py, py::arg("sizes_bytes"),
+        py::arg("group_keys"), py::arg("walk_order"), py::arg("caps_bytes"),
+        "Partition parameters into buckets; see csrc/bucketing.h.");
+  m.def("reverse_order", &pyreducer::reverse_order, py::arg("num_params"));
+
+  py::class_<Reducer>(m, "Reducer")
+      .def(py::init<std::vector<at::Tensor>, std::vector<std::string>,
+                    const std::vector<std::vector<int64_t>>&, pyreducer::ProcessGroupPtr>(),
+           py::arg("params"), py::arg("param_names"), py::arg("bucket_param_indices"),
+           py::arg("process_group"))
+      .def("prepare_for_backward", &Reducer::prepare_for_backward,
+           py::call_guard<py::gil_scoped_release>())
+      .def("bucket_layout", &pyreducer::bucket_layout)
+      .def_property_readonly("armed", &Reducer::armed)
+      .def_property_readonly("world_size", &Reducer::world_size);
+}

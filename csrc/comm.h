@@ -1,0 +1,24 @@
+// The only code that talks to c10d::ProcessGroup and c10d::Work.
+#pragma once
+
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace pyreducer {
+
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// Launches an asynchronous SUM all-reduce of `flat` on `group` and returns its work handle at
+// once. Every rank must call it for the same buckets in the same order. Any thread.
+WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat);
+
+// Blocks until `work` completes. The wait is bounded by the process group's timeout; on failure
+// it throws std::runtime_error whose message starts with `what` (e.g. "all-reduce of bucket 3")
+// and names this rank.
+void wait_or_throw(const WorkPtr& work, const ProcessGroupPtr& group, const std::string& what);
+
+}  // namespace pyreducer

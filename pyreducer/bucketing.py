@@ -1,0 +1,57 @@
+"""Bucket plans: which parameters share a bucket, in which order buckets are launched.
+
+A bucket is one flat buffer that is all-reduced as a whole; a slot is one parameter's slice of
+it. The planner itself is C++ (csrc/bucketing.cpp); this module turns torch parameters and DDP's
+cap arguments into its inputs.
+"""
+from __future__ import annotations
+
+import torch
+
+from pyreducer._ext import _C
+
+MIB = 1024 * 1024
+DEFAULT_FIRST_BUCKET_CAP_BYTES = _C.DEFAULT_FIRST_BUCKET_CAP_BYTES  # 1 MiB
+DEFAULT_BUCKET_CAP_BYTES = _C.DEFAULT_BUCKET_CAP_BYTES  # 25 MiB
+
+
+def caps_bytes(bucket_cap_mb: float | None, bucket_cap_mb_list: list[float] | None) -> list[int]:
+    """The per-bucket caps, as torch DDP derives them from its arguments.
+
+    Default (both None): first bucket 1 MiB, the rest 25 MiB. An explicit bucket_cap_mb applies
+    to every bucket, the first included. bucket_cap_mb_list gives the i-th bucket's cap, and its
+    last entry to all later buckets.
+    """
+    if bucket_cap_mb_list:
+        caps = [int(cap_mb * MIB) for cap_mb in bucket_cap_mb_list]
+    elif bucket_cap_mb is None:
+        caps = [DEFAULT_FIRST_BUCKET_CAP_BYTES, DEFAULT_BUCKET_CAP_BYTES]
+    else:
+        caps = [int(bucket_cap_mb * MIB)]
+    for cap in caps:
+        if cap <= 0:
+            raise ValueError(f"bucket caps must be positive, got {cap} bytes "
+                             f"(bucket_cap_mb={bucket_cap_mb}, bucket_cap_mb_list={bucket_cap_mb_list})")
+    return caps
+
+
+def group_key(tensor: torch.Tensor) -> str:
+    """Parameters with different keys (dtype, device) never share a bucket."""
+    return f"{tensor.dtype}/{tensor.device}"
+
+
+def assign_buckets(params: list[torch.Tensor], caps: list[int],
+                   walk_order: list[int] | None = None) -> list[list[int]]:
+    """Bucket parameter indices, in launch order.
+
+    Args:
+        params: the reduced parameters, in definition order.
+        caps: per-bucket caps in bytes (see caps_bytes).
+        walk_order: the order gradients are expected to become ready; default reverse
+            definition order.
+    """
+    if walk_order is None:
+        walk_order = _C.reverse_order(len(params))
+    plan = _C.assign_buckets([p.numel() * p.element_size() for p in params],
+                             [group_key(p) for p in params], list(walk_order), list(caps))
+    return [bucket["param_indices"] for bucket in plan]

@@ -1,0 +1,141 @@
+"""Run a function on N local Gloo ranks, with a hard wall-clock bound (tests, demo, benchmarks).
+
+    results = run_ranks(fn, world_size=2, args=(...), timeout_s=120)
+
+spawns one process per rank (start method "spawn"), initialises a Gloo process group over a file
+store, calls fn(rank, world_size, *args) and returns the per-rank return values. A rank that
+raises makes run_ranks raise RankError naming that rank with its traceback; ranks that have not
+finished by the deadline are killed and run_ranks raises RankTimeout naming them. Results travel
+through torch.save, so they may hold tensors.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue as queue_module
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+
+class RankError(RuntimeError):
+    """A rank raised; .rank is the first rank that reported an error."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank
+
+
+class RankTimeout(TimeoutError):
+    """Some ranks did not finish in time; .ranks lists them."""
+
+    def __init__(self, ranks: list[int], message: str):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def _child(rank, world_size, init_file, fn, args, results, pg_timeout_s, threads, env):
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    status, payload = "ok", None
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+        value = fn(rank, world_size, *args)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        payload = buffer.getvalue()
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        status, payload = "error", traceback.format_exc()
+    results.put((rank, status, payload))
+    results.close()
+    results.join_thread()  # flush to the pipe before os._exit
+    if status == "ok" and dist.is_initialized():
+        dist.destroy_process_group()
+    # os._exit: skip interpreter teardown, which can abort after Gloo errors.
+    os._exit(0 if status == "ok" else 1)
+
+
+def _mark_dead(procs, outcomes, results):
+    """Records ranks whose process exited without reporting (segfault, abort, kill)."""
+    dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
+    if not dead:
+        return
+    try:  # a result may have reached the pipe just before the process exited
+        while True:
+            rank, status, payload = results.get(timeout=0.2)
+            outcomes[rank] = (status, payload)
+    except queue_module.Empty:
+        pass
+    for r in dead:
+        if r not in outcomes:
+            outcomes[r] = ("error", f"process exited with code {procs[r].exitcode} without "
+                                    f"reporting a result")
+
+
+def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
+              pg_timeout_s: float = 60.0, threads: int = 1, env: dict | None = None,
+              error_grace_s: float = 5.0) -> list:
+    """Runs fn(rank, world_size, *args) on world_size spawned Gloo ranks; returns their results.
+
+    Args:
+        fn: a module-level (picklable) function.
+        timeout_s: hard bound on the whole run; ranks still running then are killed.
+        pg_timeout_s: the process group's timeout (bounds every collective wait).
+        threads: torch intra-op threads per rank.
+        env: extra environment variables for the ranks.
+        error_grace_s: after a rank fails, how long the others get to report before being killed.
+    """
+    import torch
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="pyreducer-ranks-") as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_child, daemon=True,
+                             args=(rank, world_size, init_file, fn, args, results, pg_timeout_s,
+                                   threads, dict(env or {})))
+                 for rank in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        outcomes: dict[int, tuple[str, object]] = {}
+        try:
+            while len(outcomes) < world_size:
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                try:
+                    rank, status, payload = results.get(timeout=min(0.5, deadline - now))
+                except queue_module.Empty:
+                    _mark_dead(procs, outcomes, results)
+                    continue
+                outcomes[rank] = (status, payload)
+                if status == "error":
+                    deadline = min(deadline, time.monotonic() + error_grace_s)
+        finally:
+            for p in procs:
+                p.join(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+            results.close()
+
+    errors = sorted((r, payload) for r, (status, payload) in outcomes.items() if status == "error")
+    if errors:
+        rank, text = errors[0]
+        others = [r for r, _ in errors[1:]]
+        raise RankError(rank, f"rank {rank} of {world_size} failed"
+                              + (f" (ranks {others} failed too)" if others else "")
+                              + f":\n{text}")
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if missing:
+        raise RankTimeout(missing, f"ranks {missing} of {world_size} did not finish within "
+                                   f"{timeout_s:.0f} s and were killed")
+    return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]

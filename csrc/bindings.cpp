@@ -34,10 +34,12 @@ py::list assign_buckets_py(const std::vector<int64_t>& sizes_bytes,
 
 py::list bucket_layout(const Reducer& reducer) {
   py::list result;
-  for (const Bucket& bucket : reducer.buckets()) {
+  const auto plan = reducer.plan();
+  const auto sizes = reducer.bucket_sizes_bytes();
+  for (size_t b = 0; b < plan.size(); ++b) {
     py::dict entry;
-    entry["param_indices"] = bucket.param_indices;
-    entry["size_bytes"] = bucket.size_bytes;
+    entry["param_indices"] = plan[b];
+    entry["size_bytes"] = sizes[b];
     result.append(entry);
   }
   return result;
@@ -58,9 +60,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<Reducer>(m, "Reducer")
       .def(py::init<std::vector<at::Tensor>, std::vector<std::string>,
-                    const std::vector<std::vector<int64_t>>&, pyreducer::ProcessGroupPtr>(),
-           py::arg("params"), py::arg("param_names"), py::arg("bucket_param_indices"),
-           py::arg("process_group"))
+                    const std::vector<std::vector<int64_t>>&, pyreducer::ProcessGroupPtr,
+                    std::vector<int64_t>>(),
+           py::arg("params"), py::arg("param_names"), py::arg("initial_plan"),
+           py::arg("process_group"), py::arg("rebuild_caps_bytes"))
+      .def("rebuild_buckets", &Reducer::rebuild_buckets, py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_backward", &Reducer::prepare_for_backward,
            py::call_guard<py::gil_scoped_release>())
       .def("bucket_layout", &pyreducer::bucket_layout)

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -15,6 +16,10 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 // Launches an asynchronous SUM all-reduce of `flat` on `group` and returns its work handle at
 // once. Every rank must call it for the same buckets in the same order. Any thread.
 WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat);
+
+// Overwrites `values` on every rank with rank `root`'s (same length on every rank). Blocking,
+// bounded by the process group's timeout. Python thread.
+void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values, int64_t root);
 
 // Blocks until `work` completes. The wait is bounded by the process group's timeout; on failure
 // it throws std::runtime_error whose message starts with `what` (e.g. "all-reduce of bucket 3")

@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "bucketing.h"
 #include "ops.h"
 
 namespace pyreducer {
@@ -31,85 +32,36 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   size_t index_;
 };
 
-// A slot shaped like `param` inside `flat` at `offset` elements. Dense parameters get their own
-// strides (so gradients keep the parameter's memory format, as torch DDP's bucket views do).
-at::Tensor make_view(const at::Tensor& flat, const at::Tensor& param, int64_t offset) {
-  if (param.is_non_overlapping_and_dense()) {
-    return flat.as_strided(param.sizes(), param.strides(), offset);
-  }
-  return flat.narrow(0, offset, param.numel()).view(param.sizes());
-}
-
 }  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_names,
-                 const std::vector<std::vector<int64_t>>& bucket_param_indices,
-                 ProcessGroupPtr group)
+                 const std::vector<std::vector<int64_t>>& initial_plan, ProcessGroupPtr group,
+                 std::vector<int64_t> rebuild_caps_bytes)
     : params_(std::move(params)),
       param_names_(std::move(param_names)),
-      locations_(params_.size()),
       group_(std::move(group)),
+      rebuild_caps_bytes_(std::move(rebuild_caps_bytes)),
       ready_(params_.size(), 0) {
   if (param_names_.size() != params_.size()) {
     throw std::invalid_argument("Reducer: expected one name per parameter (" +
                                 std::to_string(params_.size()) + "), got " +
                                 std::to_string(param_names_.size()));
   }
-  world_size_ = group_->getSize();
-  grad_scale_ = 1.0 / static_cast<double>(world_size_);
-
-  std::vector<uint8_t> placed(params_.size(), 0);
-  buckets_.reserve(bucket_param_indices.size());
-  for (size_t b = 0; b < bucket_param_indices.size(); ++b) {
-    Bucket bucket;
-    bucket.param_indices = bucket_param_indices[b];
-    if (bucket.param_indices.empty()) {
-      throw std::invalid_argument("Reducer: bucket " + std::to_string(b) + " is empty");
-    }
-    const at::Tensor& first = params_.at(bucket.param_indices.front());
-    int64_t numel = 0;
-    for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
-      const int64_t i = bucket.param_indices[k];
-      if (i < 0 || i >= static_cast<int64_t>(params_.size()) || placed[i]) {
-        throw std::invalid_argument("Reducer: bucket " + std::to_string(b) +
-                                    " lists parameter index " + std::to_string(i) +
-                                    ", which is out of range or already in a bucket");
-      }
-      const at::Tensor& p = params_[i];
-      if (p.scalar_type() != first.scalar_type() || p.device() != first.device()) {
-        throw std::invalid_argument(
-            "Reducer: bucket " + std::to_string(b) + " mixes " + param_names_[i] + " (" +
-            std::string(c10::toString(p.scalar_type())) + ", " + p.device().str() + ") with " +
-            param_names_[bucket.param_indices.front()] + " (" +
-            std::string(c10::toString(first.scalar_type())) + ", " + first.device().str() + ")");
-      }
-      placed[i] = 1;
-      locations_[i] = Location{b, k};
-      numel += p.numel();
-    }
-    bucket.flat = at::zeros({numel}, first.options().requires_grad(false));
-    bucket.size_bytes = numel * static_cast<int64_t>(first.element_size());
-    int64_t offset = 0;
-    for (int64_t i : bucket.param_indices) {
-      bucket.views.push_back(make_view(bucket.flat, params_[i], offset));
-      offset += params_[i].numel();
-    }
-    bucket.pending = bucket.param_indices.size();
-    buckets_.push_back(std::move(bucket));
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!placed[i]) {
-      throw std::invalid_argument("Reducer: parameter " + param_names_[i] + " is in no bucket");
-    }
-  }
-
-  accumulators_.reserve(params_.size());
-  hook_keys_.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].requires_grad()) {
       throw std::invalid_argument("Reducer: parameter " + param_names_[i] +
                                   " does not require grad");
     }
+  }
+  world_size_ = group_->getSize();
+  grad_scale_ = 1.0 / static_cast<double>(world_size_);
+  set_ = make_buckets(params_, param_names_, initial_plan);
+  rebuild_pending_ = !rebuild_caps_bytes_.empty();
+  ready_order_.reserve(params_.size());
+
+  accumulators_.reserve(params_.size());
+  hook_keys_.reserve(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
     hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<ReadyHook>(this, i)));
     accumulators_.push_back(std::move(accumulator));
@@ -127,13 +79,22 @@ bool Reducer::armed() const {
   return armed_;
 }
 
+std::vector<std::vector<int64_t>> Reducer::plan() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::vector<int64_t>> result;
+  for (const Bucket& bucket : set_.buckets) result.push_back(bucket.param_indices);
+  return result;
+}
+
+std::vector<int64_t> Reducer::bucket_sizes_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> result;
+  for (const Bucket& bucket : set_.buckets) result.push_back(bucket.size_bytes);
+  return result;
+}
+
 void Reducer::prepare_for_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (num_ready_ > 0 && !finalize_queued_) {
-    // Unreachable in a well-formed run: finalize is queued by the first hook.
-    throw std::logic_error("pyreducer: internal error: gradients were marked ready but no "
-                           "end-of-backward callback was queued");
-  }
   if (finalize_queued_) {
     // The previous synced backward was interrupted (an exception inside backward) before its
     // end-of-backward callback ran.
@@ -141,7 +102,7 @@ void Reducer::prepare_for_backward() {
       std::string message =
           "pyreducer: the previous backward on rank " + std::to_string(group_->getRank()) +
           " was interrupted after it had launched " + std::to_string(next_bucket_) + " of " +
-          std::to_string(buckets_.size()) +
+          std::to_string(set_.buckets.size()) +
           " bucket all-reduces; the ranks may now disagree on which collectives ran, so "
           "training cannot continue safely. Fix the error raised in that backward.";
       reset_iteration();
@@ -150,6 +111,28 @@ void Reducer::prepare_for_backward() {
     reset_iteration();
   }
   armed_ = true;
+}
+
+bool Reducer::rebuild_buckets() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!rebuild_pending_ || !ready_order_complete_) return false;
+  if (armed_ || finalize_queued_) {
+    throw std::logic_error("pyreducer: rebuild_buckets called while a backward is pending");
+  }
+  broadcast_int64s(group_, ready_order_, /*root=*/0);
+  std::vector<ParamSpec> specs(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    specs[i] = ParamSpec{params_[i].numel() * static_cast<int64_t>(params_[i].element_size()),
+                         group_key(params_[i])};
+  }
+  std::vector<std::vector<int64_t>> plan;
+  for (BucketSpec& spec : assign_buckets(specs, ready_order_, rebuild_caps_bytes_)) {
+    plan.push_back(std::move(spec.param_indices));
+  }
+  set_ = make_buckets(params_, param_names_, plan);
+  rebuild_pending_ = false;
+  ready_order_.clear();
+  return true;
 }
 
 void Reducer::check_gradient(size_t index, const at::Tensor& grad, const at::Tensor& slot) const {
@@ -173,14 +156,13 @@ void Reducer::check_gradient(size_t index, const at::Tensor& grad, const at::Ten
 void Reducer::mark_variable_ready(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!armed_) return;
-  at::NoGradGuard no_grad;
   if (ready_[index]) {
     throw std::runtime_error(
         "pyreducer: parameter " + param_names_[index] + " on rank " +
         std::to_string(group_->getRank()) +
-        " was marked ready twice in one backward. Its AccumulateGrad hook fired more than once, "
-        "which happens with reentrant activation checkpointing or a parameter used in several "
-        "reentrant backward passes; this needs static_graph=True.");
+        " was marked ready twice in one backward: its AccumulateGrad hook fired more than "
+        "once, which happens with reentrant activation checkpointing; this needs "
+        "static_graph=True.");
   }
   if (!finalize_queued_) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
@@ -188,9 +170,11 @@ void Reducer::mark_variable_ready(size_t index) {
   }
   ready_[index] = 1;
   num_ready_ += 1;
+  if (rebuild_pending_ && !ready_order_complete_) ready_order_.push_back(index);
 
-  const Location& location = locations_[index];
-  Bucket& bucket = buckets_[location.bucket];
+  at::NoGradGuard no_grad;
+  const SlotLocation& location = set_.locations[index];
+  Bucket& bucket = set_.buckets[location.bucket];
   at::Tensor& slot = bucket.views[location.slot];
   const at::Tensor& grad = params_[index].grad();
   check_gradient(index, grad, slot);
@@ -206,8 +190,8 @@ void Reducer::mark_variable_ready(size_t index) {
 }
 
 void Reducer::launch_ready_buckets() {
-  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
-    Bucket& bucket = buckets_[next_bucket_];
+  while (next_bucket_ < set_.buckets.size() && set_.buckets[next_bucket_].pending == 0) {
+    Bucket& bucket = set_.buckets[next_bucket_];
     bucket.work = allreduce_sum_async(group_, bucket.flat);
     next_bucket_ += 1;
   }
@@ -227,32 +211,33 @@ std::string Reducer::describe_unready(size_t max_names) const {
 
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (next_bucket_ < buckets_.size()) {
+  if (next_bucket_ < set_.buckets.size()) {
     std::string message =
         "pyreducer: backward on rank " + std::to_string(group_->getRank()) +
         " finished before every gradient was reduced: " + describe_unready(20) +
-        ". Gradients of the other buckets would be left un-averaged. Either every parameter "
-        "must take part in the loss, or pass find_unused_parameters=True (parameters outside "
-        "the graph are then reduced as zeros), or exclude them with "
-        "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model.";
+        ". The gradients would be left un-averaged. Make every parameter take part in the "
+        "loss, or exclude it with "
+        "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) "
+        "before wrapping, or set requires_grad=False on it.";
     reset_iteration();
     throw std::runtime_error(message);
   }
   try {
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      wait_or_throw(buckets_[b].work, group_, "all-reduce of bucket " + std::to_string(b));
+    for (size_t b = 0; b < set_.buckets.size(); ++b) {
+      wait_or_throw(set_.buckets[b].work, group_, "all-reduce of bucket " + std::to_string(b));
     }
   } catch (...) {
     reset_iteration();
     throw;
   }
   at::NoGradGuard no_grad;
-  for (Bucket& bucket : buckets_) {
+  for (Bucket& bucket : set_.buckets) {
     for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
       at::Tensor& param = params_[bucket.param_indices[k]];
       copy_out_of_slot(param.mutable_grad(), bucket.views[k], param);
     }
   }
+  if (rebuild_pending_) ready_order_complete_ = true;
   reset_iteration();
 }
 
@@ -262,7 +247,8 @@ void Reducer::reset_iteration() {
   next_bucket_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
   num_ready_ = 0;
-  for (Bucket& bucket : buckets_) {
+  if (!ready_order_complete_) ready_order_.clear();  // only a finished backward's order counts
+  for (Bucket& bucket : set_.buckets) {
     bucket.pending = bucket.param_indices.size();
     bucket.work.reset();
   }

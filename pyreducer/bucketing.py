@@ -13,10 +13,11 @@ from pyreducer._ext import _C
 MIB = 1024 * 1024
 DEFAULT_FIRST_BUCKET_CAP_BYTES = _C.DEFAULT_FIRST_BUCKET_CAP_BYTES  # 1 MiB
 DEFAULT_BUCKET_CAP_BYTES = _C.DEFAULT_BUCKET_CAP_BYTES  # 25 MiB
+ONE_BUCKET_CAP_BYTES = 2**62  # a cap nothing reaches
 
 
 def caps_bytes(bucket_cap_mb: float | None, bucket_cap_mb_list: list[float] | None) -> list[int]:
-    """The per-bucket caps, as torch DDP derives them from its arguments.
+    """The per-bucket caps in bytes, as torch DDP derives them from its arguments.
 
     Default (both None): first bucket 1 MiB, the rest 25 MiB. An explicit bucket_cap_mb applies
     to every bucket, the first included. bucket_cap_mb_list gives the i-th bucket's cap, and its
@@ -35,14 +36,9 @@ def caps_bytes(bucket_cap_mb: float | None, bucket_cap_mb_list: list[float] | No
     return caps
 
 
-def group_key(tensor: torch.Tensor) -> str:
-    """Parameters with different keys (dtype, device) never share a bucket."""
-    return f"{tensor.dtype}/{tensor.device}"
-
-
 def assign_buckets(params: list[torch.Tensor], caps: list[int],
                    walk_order: list[int] | None = None) -> list[list[int]]:
-    """Bucket parameter indices, in launch order.
+    """Bucket parameter indices, in launch order (the C++ planner, csrc/bucketing.h).
 
     Args:
         params: the reduced parameters, in definition order.
@@ -55,3 +51,21 @@ def assign_buckets(params: list[torch.Tensor], caps: list[int],
     plan = _C.assign_buckets([p.numel() * p.element_size() for p in params],
                              [group_key(p) for p in params], list(walk_order), list(caps))
     return [bucket["param_indices"] for bucket in plan]
+
+
+def initial_plan(params: list[torch.Tensor], caps: list[int], one_bucket: bool) -> list[list[int]]:
+    """torch DDP's plan for the first iteration, reproduced exactly (so results match bit for bit).
+
+    DDP walks parameters in definition order, closes buckets at the caps, and launches the
+    buckets in reverse (the last layers' gradients are ready first). Without
+    find_unused_parameters it uses one bucket for everything in the first iteration and rebuilds
+    from the observed ready order afterwards (see Note [Bucket rebuild] in csrc/reducer.h).
+    """
+    walk = list(range(len(params)))
+    return list(reversed(assign_buckets(params, [ONE_BUCKET_CAP_BYTES] if one_bucket else caps,
+                                        walk)))
+
+
+def group_key(tensor: torch.Tensor) -> str:
+    """Parameters with different keys (dtype, device) never share a bucket."""
+    return f"{tensor.dtype}/{tensor.device}"

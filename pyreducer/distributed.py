@@ -97,12 +97,16 @@ class DistributedDataParallel(nn.Module):
 
         self.bucket_caps_bytes = bucketing.caps_bytes(bucket_cap_mb, bucket_cap_mb_list)
         self.bucket_bytes_cap = max(self.bucket_caps_bytes)
-        plan = bucketing.assign_buckets(params, self.bucket_caps_bytes)
-        self.reducer = _C.Reducer(params, self._param_names, plan, self.process_group)
+        one_bucket_first = not bucket_cap_mb_list and (static_graph or not find_unused_parameters)
+        plan = bucketing.initial_plan(params, self.bucket_caps_bytes, one_bucket=one_bucket_first)
+        self.reducer = _C.Reducer(params, self._param_names, plan, self.process_group,
+                                  self.bucket_caps_bytes)
 
     # -- DDP's forward ---------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         with torch.autograd.profiler.record_function("pyreducer.DistributedDataParallel.forward"):
+            if torch.is_grad_enabled():
+                self.reducer.rebuild_buckets()  # once, after the first synced backward
             if self.require_forward_param_sync and self.forward_sync_buffers:
                 self._sync_buffers()
             if self.device_ids:

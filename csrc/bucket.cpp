@@ -1,0 +1,78 @@
+#include "bucket.h"
+
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+
+namespace pyreducer {
+
+namespace {
+
+at::Tensor make_view(const at::Tensor& flat, const at::Tensor& param, int64_t offset) {
+  if (param.is_non_overlapping_and_dense()) {
+    return flat.as_strided(param.sizes(), param.strides(), offset);
+  }
+  return flat.narrow(0, offset, param.numel()).view(param.sizes());
+}
+
+std::string describe(const std::string& name, const at::Tensor& t) {
+  return name + " (" + std::string(c10::toString(t.scalar_type())) + ", " + t.device().str() + ")";
+}
+
+}  // namespace
+
+std::string group_key(const at::Tensor& tensor) {
+  return std::string(c10::toString(tensor.scalar_type())) + "/" + tensor.device().str();
+}
+
+BucketSet make_buckets(const std::vector<at::Tensor>& params,
+                       const std::vector<std::string>& param_names,
+                       const std::vector<std::vector<int64_t>>& plan) {
+  BucketSet set;
+  set.locations.resize(params.size());
+  std::vector<uint8_t> placed(params.size(), 0);
+  set.buckets.reserve(plan.size());
+  for (size_t b = 0; b < plan.size(); ++b) {
+    Bucket bucket;
+    bucket.param_indices = plan[b];
+    if (bucket.param_indices.empty()) {
+      throw std::invalid_argument("bucket plan: bucket " + std::to_string(b) + " is empty");
+    }
+    int64_t numel = 0;
+    const int64_t first_index = bucket.param_indices.front();
+    for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
+      const int64_t i = bucket.param_indices[k];
+      if (i < 0 || i >= static_cast<int64_t>(params.size()) || placed[i]) {
+        throw std::invalid_argument("bucket plan: bucket " + std::to_string(b) +
+                                    " lists parameter index " + std::to_string(i) +
+                                    ", which is out of range or already in a bucket");
+      }
+      if (group_key(params[i]) != group_key(params[first_index])) {
+        throw std::invalid_argument("bucket plan: bucket " + std::to_string(b) + " mixes " +
+                                    describe(param_names[i], params[i]) + " with " +
+                                    describe(param_names[first_index], params[first_index]));
+      }
+      placed[i] = 1;
+      set.locations[i] = SlotLocation{b, k};
+      numel += params[i].numel();
+    }
+    const at::Tensor& first = params[first_index];
+    bucket.flat = at::zeros({numel}, first.options().requires_grad(false));
+    bucket.size_bytes = numel * static_cast<int64_t>(first.element_size());
+    int64_t offset = 0;
+    for (int64_t i : bucket.param_indices) {
+      bucket.views.push_back(make_view(bucket.flat, params[i], offset));
+      offset += params[i].numel();
+    }
+    bucket.pending = bucket.param_indices.size();
+    set.buckets.push_back(std::move(bucket));
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!placed[i]) {
+      throw std::invalid_argument("bucket plan: parameter " + param_names[i] + " is in no bucket");
+    }
+  }
+  return set;
+}
+
+}  // namespace pyreducer

@@ -1,0 +1,45 @@
+// Bucket storage: flat buffers and the per-parameter slot views into them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "comm.h"
+
+namespace pyreducer {
+
+struct Bucket {
+  at::Tensor flat;                     // the bucket: one buffer, all-reduced as a whole
+  std::vector<int64_t> param_indices;  // slot order
+  std::vector<at::Tensor> views;       // views[k]: slot of param_indices[k], shaped like it
+  int64_t size_bytes = 0;
+  size_t pending = 0;                  // slots not yet filled this iteration
+  WorkPtr work;                        // in-flight all-reduce, null when not launched
+};
+
+struct SlotLocation {
+  size_t bucket = 0;
+  size_t slot = 0;
+};
+
+struct BucketSet {
+  std::vector<Bucket> buckets;           // launch order
+  std::vector<SlotLocation> locations;   // per parameter
+};
+
+// Allocates one zeroed flat buffer per entry of `plan` (launch order; each entry lists parameter
+// indices in slot order) and a view per slot, laid out like its parameter (dense parameters keep
+// their strides, so gradients keep the parameter's memory format).
+// Throws std::invalid_argument naming the parameter if the plan is not a partition of all
+// parameters or a bucket mixes dtypes or devices.
+BucketSet make_buckets(const std::vector<at::Tensor>& params,
+                       const std::vector<std::string>& param_names,
+                       const std::vector<std::vector<int64_t>>& plan);
+
+// "dtype/device" of a tensor: parameters with different keys never share a bucket.
+std::string group_key(const at::Tensor& tensor);
+
+}  // namespace pyreducer

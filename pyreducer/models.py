@@ -1,0 +1,103 @@
+"""Small reference models used by the demo, the trace command, the tests and the benchmarks.
+
+Each entry builds a model and a matching batch generator; `loss(model, batch)` gives a scalar.
+Sizes are chosen for one CPU core: a step takes milliseconds to a few hundred milliseconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class TiedLM(nn.Module):
+    """Embedding -> MLP -> output layer sharing the embedding's weight (tied weights)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens)))
+
+
+class SmallCNN(nn.Module):
+    """Conv + BatchNorm (running-stat buffers) + pooling + linear classifier."""
+
+    def __init__(self, channels: int = 8, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.BatchNorm2d(2 * channels),
+            nn.ReLU(), nn.AdaptiveAvgPool2d(2))
+        self.classifier = nn.Linear(8 * channels, classes)
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))
+
+
+def mlp(width: int = 64, depth: int = 3, inputs: int = 32, outputs: int = 8) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(inputs, width), nn.ReLU()]
+    for _ in range(depth - 2):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, outputs))
+    return nn.Sequential(*layers)
+
+
+@dataclass
+class Spec:
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator, int], tuple]
+    loss: Callable[[nn.Module, tuple], torch.Tensor]
+
+
+def _regression(inputs: int, outputs: int):
+    def batch(gen, size):
+        return torch.randn(size, inputs, generator=gen), torch.randn(size, outputs, generator=gen)
+    return batch
+
+
+def _mse(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def _images(gen, size):
+    return torch.randn(size, 3, 8, 8, generator=gen), torch.randint(0, 10, (size,), generator=gen)
+
+
+def _tokens(gen, size):
+    return (torch.randint(0, 64, (size, 6), generator=gen),
+            torch.randint(0, 64, (size, 6), generator=gen))
+
+
+def _ce(model, batch):
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+SPECS: dict[str, Spec] = {
+    # tests and demo: tiny
+    # 288 wide: every tensor, biases included, exceeds 0.001 MiB (one bucket each at that cap)
+    "mlp": Spec(lambda: mlp(288, 3, 32, 288), _regression(32, 288), _mse),
+    "cnn": Spec(SmallCNN, _images, _ce),
+    "tied": Spec(TiedLM, _tokens, _ce),
+    "demo": Spec(lambda: mlp(512, 6, 256, 16), _regression(256, 16), _mse),
+    # benchmarks: a few large tensors; hundreds of small tensors
+    "mlp_large": Spec(lambda: mlp(1024, 6, 1024, 1024), _regression(1024, 1024), _mse),
+    "deep_narrow": Spec(lambda: mlp(96, 200, 96, 96), _regression(96, 96), _mse),
+}
+
+
+def spec(name: str) -> Spec:
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; expected one of {sorted(SPECS)}") from None

@@ -164,6 +164,12 @@ void Reducer::mark_variable_ready(size_t index) {
         "once, which happens with reentrant activation checkpointing; this needs "
         "static_graph=True.");
   }
+  const SlotLocation& location = set_.locations[index];
+  Bucket& bucket = set_.buckets[location.bucket];
+  at::Tensor& slot = bucket.views[location.slot];
+  const at::Tensor& grad = params_[index].grad();
+  check_gradient(index, grad, slot);  // before any state changes
+
   if (!finalize_queued_) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
     finalize_queued_ = true;
@@ -173,11 +179,6 @@ void Reducer::mark_variable_ready(size_t index) {
   if (rebuild_pending_ && !ready_order_complete_) ready_order_.push_back(index);
 
   at::NoGradGuard no_grad;
-  const SlotLocation& location = set_.locations[index];
-  Bucket& bucket = set_.buckets[location.bucket];
-  at::Tensor& slot = bucket.views[location.slot];
-  const at::Tensor& grad = params_[index].grad();
-  check_gradient(index, grad, slot);
   if (grad.defined()) {
     copy_scaled_into(slot, grad, grad_scale_);
   } else {

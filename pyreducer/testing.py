@@ -80,7 +80,7 @@ def _mark_dead(procs, outcomes, results):
 
 def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
               pg_timeout_s: float = 60.0, threads: int = 1, env: dict | None = None,
-              error_grace_s: float = 5.0) -> list:
+              error_grace_s: float = 5.0, may_die: tuple = ()) -> list:
     """Runs fn(rank, world_size, *args) on world_size spawned Gloo ranks; returns their results.
 
     Args:
@@ -90,6 +90,8 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
         threads: torch intra-op threads per rank.
         env: extra environment variables for the ranks.
         error_grace_s: after a rank fails, how long the others get to report before being killed.
+        may_die: ranks that are expected to exit without a result (fault-injection tests); their
+            result is None.
     """
     import torch
 
@@ -116,7 +118,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
                     _mark_dead(procs, outcomes, results)
                     continue
                 outcomes[rank] = (status, payload)
-                if status == "error":
+                if status == "error" and rank not in may_die:
                     deadline = min(deadline, time.monotonic() + error_grace_s)
         finally:
             for p in procs:
@@ -127,15 +129,17 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
                     p.join(timeout=5)
             results.close()
 
-    errors = sorted((r, payload) for r, (status, payload) in outcomes.items() if status == "error")
+    errors = sorted((r, payload) for r, (status, payload) in outcomes.items()
+                    if status == "error" and r not in may_die)
     if errors:
         rank, text = errors[0]
         others = [r for r, _ in errors[1:]]
         raise RankError(rank, f"rank {rank} of {world_size} failed"
                               + (f" (ranks {others} failed too)" if others else "")
                               + f":\n{text}")
-    missing = [r for r in range(world_size) if r not in outcomes]
+    missing = [r for r in range(world_size) if r not in outcomes and r not in may_die]
     if missing:
         raise RankTimeout(missing, f"ranks {missing} of {world_size} did not finish within "
                                    f"{timeout_s:.0f} s and were killed")
-    return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]
+    return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False)
+            if outcomes.get(r, ("", None))[0] == "ok" else None for r in range(world_size)]

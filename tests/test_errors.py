@@ -1,0 +1,99 @@
+"""Errors instead of hangs: each case must raise a clear error (type, key words naming the
+parameter and rank) promptly, on 2 spawned Gloo ranks, every run bounded in wall-clock time."""
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from pyreducer.testing import run_ranks
+
+
+def _capture(fn):
+    start = time.monotonic()
+    try:
+        fn()
+        return dict(error=None, seconds=time.monotonic() - start)
+    except Exception as error:  # noqa: BLE001 - the test inspects it
+        return dict(error=f"{type(error).__name__}: {error}", seconds=time.monotonic() - start)
+
+
+def different_models_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel
+
+    width = 8 if rank == 0 else 9
+    model = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
+    return _capture(lambda: DistributedDataParallel(model))
+
+
+def unused_parameter_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk, self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.used(self.trunk(x))
+
+    model = DistributedDataParallel(TwoHeads())
+    return _capture(lambda: model(torch.randn(2, 4)).sum().backward())
+
+
+def sparse_gradient_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel
+
+    model = DistributedDataParallel(nn.Embedding(10, 3, sparse=True))
+    return _capture(lambda: model(torch.tensor([1, 2])).sum().backward())
+
+
+def peer_dies_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel
+
+    model = DistributedDataParallel(nn.Linear(64, 64))
+    for _ in range(2):  # healthy steps on both ranks (the second rebuilds the buckets)
+        model(torch.randn(2, 64)).sum().backward()
+    if rank == 1:
+        os._exit(3)  # dies before the second backward
+    time.sleep(0.5)
+    return _capture(lambda: model(torch.randn(2, 64)).sum().backward())
+
+
+def test_different_models_named_at_construction():
+    results = run_ranks(different_models_worker, 2, timeout_s=60)
+    for r in results:
+        assert r["error"] is not None
+        assert "ValueError" in r["error"] and "same model" in r["error"]
+        assert "0.weight (8, 4)" in r["error"] and "0.weight (9, 4)" in r["error"]
+        assert "rank 1" in r["error"]
+        assert r["seconds"] < 30
+
+
+def test_unused_parameter_named_at_end_of_backward():
+    results = run_ranks(unused_parameter_worker, 2, timeout_s=60)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None
+        assert f"rank {rank}" in r["error"]
+        assert "unused.weight" in r["error"] and "unused.bias" in r["error"]
+        assert "trunk.weight" not in r["error"]
+        assert "_set_params_and_buffers_to_ignore_for_model" in r["error"]
+        assert r["seconds"] < 30
+
+
+def test_sparse_gradient_named():
+    results = run_ranks(sparse_gradient_worker, 2, timeout_s=60)
+    for r in results:
+        assert r["error"] is not None
+        assert "weight" in r["error"] and "Sparse" in r["error"] and "dense" in r["error"]
+
+
+def test_dead_peer_raises_instead_of_hanging():
+    start = time.monotonic()
+    results = run_ranks(peer_dies_worker, 2, timeout_s=90, pg_timeout_s=20, may_die=(1,))
+    assert results[1] is None
+    assert results[0]["error"] is not None
+    assert "all-reduce of bucket 0 failed on rank 0" in results[0]["error"]
+    assert results[0]["seconds"] < 25  # bounded by the process group's timeout
+    assert time.monotonic() - start < 90

@@ -1,0 +1,156 @@
+"""The wrapper around the C++ Reducer, on 2 spawned Gloo ranks: checkpoints move between torch
+DDP and pyreducer, buckets are rebuilt from the ready order, clear errors for misuse, and no
+Python runs on the per-gradient path during backward."""
+import os
+import sys
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+
+def _state_dict_checks(results):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel, models
+
+    torch.manual_seed(0)
+    base = models.spec("cnn").build()
+    ours, theirs = DistributedDataParallel(base), TorchDDP(models.spec("cnn").build())
+    results["ours_keys"] = list(ours.state_dict())
+    results["torch_keys"] = list(theirs.state_dict())
+    ours.load_state_dict(theirs.state_dict())  # a DDP checkpoint loads into pyreducer ...
+    results["loaded_equal"] = all(torch.equal(a, b) for a, b in
+                                  zip(ours.state_dict().values(), theirs.state_dict().values()))
+    theirs.load_state_dict(ours.state_dict())  # ... and back
+    results["module_is_base"] = ours.module is base
+
+
+def _misuse_checks(results):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    for key, make in [("no_grad_params", lambda: DistributedDataParallel(frozen)),
+                      ("wrap_ours", lambda: DistributedDataParallel(
+                          DistributedDataParallel(nn.Linear(2, 2)))),
+                      ("wrap_torch", lambda: DistributedDataParallel(
+                          nn.Sequential(TorchDDP(nn.Linear(2, 2)))))]:
+        try:
+            make()
+            results[key] = None
+        except (RuntimeError, ValueError) as error:
+            results[key] = f"{type(error).__name__}: {error}"
+
+
+def _rebuild_checks(results, rank):
+    from pyreducer import DistributedDataParallel, models
+
+    spec = models.spec("mlp")
+    model = DistributedDataParallel(spec.build(), bucket_cap_mb=0.3)
+    gen = torch.Generator().manual_seed(rank)
+    results["plan_before"] = model.bucket_plan()
+    spec.loss(model, spec.batch(gen, 4)).backward()
+    results["plan_after_one_backward"] = model.bucket_plan()
+    with model.no_sync():  # the rebuild happens at this forward; accumulated grads must survive
+        before = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+        spec.loss(model, spec.batch(gen, 4)).backward()
+    results["plan_after_rebuild"] = model.bucket_plan()
+    local = {n: p.grad - before[n] for n, p in model.module.named_parameters()}
+    results["no_sync_kept"] = all(torch.equal(p.grad, before[n] + local[n])
+                                  for n, p in model.module.named_parameters())
+
+
+def _no_python_checks(results, rank):
+    import pyreducer
+    from pyreducer import DistributedDataParallel, models
+
+    spec = models.spec("mlp")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(spec.build(), bucket_cap_mb=0.1)
+    gen = torch.Generator().manual_seed(10 + rank)
+    for _ in range(2):  # past the first iteration and the rebuild: many buckets
+        spec.loss(model, spec.batch(gen, 4)).backward()
+    model.zero_grad()
+    package_dir = os.path.dirname(pyreducer.__file__)
+    ours, control = [], []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            if frame.f_code.co_filename.startswith(package_dir):
+                ours.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+            if frame.f_code.co_name == "control_hook":
+                control.append(1)
+
+    def control_hook(grad):  # a Python hook the engine calls: proves the profiler sees backward
+        return grad
+
+    loss = spec.loss(model, spec.batch(gen, 4))
+    loss.register_hook(control_hook)
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    try:
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    results["python_calls_in_backward"] = ours
+    results["control_seen"] = len(control)
+    results["grads"] = [p.grad.clone() for p in model.parameters()]
+    results["num_buckets"] = len(model.bucket_plan())
+
+
+def wrapper_worker(rank, world_size):
+    results = {}
+    _state_dict_checks(results)
+    _misuse_checks(results)
+    _rebuild_checks(results, rank)
+    _no_python_checks(results, rank)
+    return results
+
+
+@pytest.fixture(scope="module")
+def wrapper(ranks_once):
+    return ranks_once(wrapper_worker, 2, ())
+
+
+def test_state_dict_keys_match_torch_ddp(wrapper):
+    for r in wrapper:
+        assert r["ours_keys"] == r["torch_keys"]
+        assert all(k.startswith("module.") for k in r["ours_keys"])
+        assert r["loaded_equal"] and r["module_is_base"]
+
+
+@pytest.mark.parametrize("key,words", [
+    ("no_grad_params", ["RuntimeError", "any parameter that requires a gradient"]),
+    ("wrap_ours", ["ValueError", "already wrapped", "pyreducer.distributed.DistributedDataParallel"]),
+    ("wrap_torch", ["ValueError", "already wrapped", "submodule '0'"]),
+])
+def test_misuse_is_a_clear_error(wrapper, key, words):
+    message = wrapper[0][key]
+    assert message is not None, f"{key}: no error raised"
+    for word in words:
+        assert word in message
+
+
+def test_buckets_rebuilt_from_ready_order_identically_on_all_ranks(wrapper):
+    for r in wrapper:
+        assert len(r["plan_before"]) == 1  # DDP's first iteration: one bucket
+        assert r["plan_after_one_backward"] == r["plan_before"]
+        assert len(r["plan_after_rebuild"]) > 1
+        # ready order is roughly reverse definition order: the last layer comes first
+        assert r["plan_after_rebuild"][0]["params"][0] == "4.bias"
+        assert r["no_sync_kept"]
+    assert wrapper[0]["plan_after_rebuild"] == wrapper[1]["plan_after_rebuild"]
+
+
+def test_no_python_on_the_gradient_path(wrapper):
+    for r in wrapper:
+        assert r["control_seen"] == 1, "the profiler did not see the control hook"
+        assert r["python_calls_in_backward"] == []
+        assert r["num_buckets"] > 1
+    # the backward did reduce: different data on each rank, identical averaged gradients
+    for a, b in zip(wrapper[0]["grads"], wrapper[1]["grads"]):
+        assert torch.equal(a, b)

@@ -1,8 +1,8 @@
 """Side-by-side training of torch DDP and pyreducer on the same ranks (demo and benchmarks).
 
 Both wrappers train their own copy of one model, from the same initial state, on the same data,
-with the same optimizer; their steps are interleaved (torch, pyreducer, torch, ...) so that
-machine noise hits both alike. Each step is timed on every rank from zero_grad to optimizer step.
+with the same optimizer; their steps are interleaved, alternating which goes first, so that
+machine noise and ordering effects hit both alike. Each step is timed on every rank from zero_grad to optimizer step.
 """
 from __future__ import annotations
 
@@ -42,9 +42,11 @@ def compare_worker(rank, world_size, model_name, steps, warmup, batch_size, buck
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in wrapped.items()}
     gens = {k: torch.Generator().manual_seed(100 + rank) for k in wrapped}
     out = {k: {"loss": [], "seconds": []} for k in wrapped}
+    names = list(wrapped)
     for step in range(warmup + steps):
         line = []
-        for name, model in wrapped.items():
+        for name in names if step % 2 == 0 else names[::-1]:  # alternate who goes first
+            model = wrapped[name]
             loss, seconds = _step(model, spec, opts[name], spec.batch(gens[name], batch_size))
             if step >= warmup:
                 out[name]["loss"].append(loss)

@@ -59,14 +59,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reverse_order", &pyreducer::reverse_order, py::arg("num_params"));
 
   py::class_<Reducer>(m, "Reducer")
-      .def(py::init<std::vector<at::Tensor>, std::vector<std::string>,
-                    const std::vector<std::vector<int64_t>>&, pyreducer::ProcessGroupPtr,
-                    std::vector<int64_t>>(),
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> param_names,
+                       const std::vector<std::vector<int64_t>>& initial_plan,
+                       pyreducer::ProcessGroupPtr group, std::vector<int64_t> rebuild_caps_bytes,
+                       bool find_unused_parameters, bool static_graph,
+                       bool gradient_as_bucket_view) {
+             pyreducer::ReducerOptions options;
+             options.rebuild_caps_bytes = std::move(rebuild_caps_bytes);
+             options.find_unused_parameters = find_unused_parameters;
+             options.static_graph = static_graph;
+             options.gradient_as_bucket_view = gradient_as_bucket_view;
+             return std::make_unique<Reducer>(std::move(params), std::move(param_names),
+                                              initial_plan, std::move(group), std::move(options));
+           }),
            py::arg("params"), py::arg("param_names"), py::arg("initial_plan"),
-           py::arg("process_group"), py::arg("rebuild_caps_bytes"))
-      .def("rebuild_buckets", &Reducer::rebuild_buckets, py::call_guard<py::gil_scoped_release>())
-      .def("prepare_for_backward", &Reducer::prepare_for_backward,
+           py::arg("process_group"), py::arg("rebuild_caps_bytes"),
+           py::arg("find_unused_parameters") = false, py::arg("static_graph") = false,
+           py::arg("gradient_as_bucket_view") = false)
+      .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
+      .def("note_unsynced_forward", &Reducer::note_unsynced_forward)
+      .def("rebuild_buckets", &Reducer::rebuild_buckets, py::call_guard<py::gil_scoped_release>())
       .def("bucket_layout", &pyreducer::bucket_layout)
       .def_property_readonly("armed", &Reducer::armed)
       .def_property_readonly("world_size", &Reducer::world_size);

@@ -1,16 +1,17 @@
 #include "reducer.h"
 
-#include <sstream>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "bucketing.h"
+#include "graph.h"
 #include "ops.h"
 
 namespace pyreducer {
@@ -23,7 +24,7 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   ReadyHook(Reducer* reducer, size_t index) : reducer_(reducer), index_(index) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list& /*inputs*/) override {
-    reducer_->mark_variable_ready(index_);
+    reducer_->autograd_hook(index_);
     return outputs;
   }
 
@@ -32,16 +33,37 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   size_t index_;
 };
 
+// Identity on the forward's outputs; its backward is the first node of the outer backward.
+// See Note [Reducer iteration].
+struct Sink : public torch::autograd::Function<Sink> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList outputs, int64_t reducer) {
+    ctx->set_materialize_grads(false);  // unused outputs keep undefined gradients
+    ctx->saved_data["reducer"] = reducer;
+    return outputs.vec();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    reinterpret_cast<Reducer*>(ctx->saved_data["reducer"].toInt())->on_backward_start();
+    grads.emplace_back();  // no gradient for the reducer argument
+    return grads;
+  }
+};
+
 }  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_names,
                  const std::vector<std::vector<int64_t>>& initial_plan, ProcessGroupPtr group,
-                 std::vector<int64_t> rebuild_caps_bytes)
+                 ReducerOptions options)
     : params_(std::move(params)),
       param_names_(std::move(param_names)),
       group_(std::move(group)),
-      rebuild_caps_bytes_(std::move(rebuild_caps_bytes)),
-      ready_(params_.size(), 0) {
+      options_(std::move(options)),
+      ready_(params_.size(), 0),
+      locally_used_(params_.size(), 0),
+      globally_unused_(params_.size(), 0),
+      hook_counts_(params_.size(), 0),
+      countdown_(params_.size(), 0) {
   if (param_names_.size() != params_.size()) {
     throw std::invalid_argument("Reducer: expected one name per parameter (" +
                                 std::to_string(params_.size()) + "), got " +
@@ -56,8 +78,13 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
   world_size_ = group_->getSize();
   grad_scale_ = 1.0 / static_cast<double>(world_size_);
   set_ = make_buckets(params_, param_names_, initial_plan);
-  rebuild_pending_ = !rebuild_caps_bytes_.empty();
+  adopt_grads_into_buckets();
+  rebuild_pending_ = !options_.rebuild_caps_bytes.empty();
   ready_order_.reserve(params_.size());
+  if (!params_.empty()) {
+    used_map_ = at::zeros({static_cast<int64_t>(params_.size())},
+                          at::TensorOptions().dtype(at::kInt).device(params_[0].device()));
+  }
 
   accumulators_.reserve(params_.size());
   hook_keys_.reserve(params_.size());
@@ -93,24 +120,54 @@ std::vector<int64_t> Reducer::bucket_sizes_bytes() const {
   return result;
 }
 
-void Reducer::prepare_for_backward() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (finalize_queued_) {
+void Reducer::fail(const std::string& message) {
+  reset_iteration();
+  throw std::runtime_error(message);
+}
+
+std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (finalize_queued_ || backward_started_ || num_ready_ > 0) {
     // The previous synced backward was interrupted (an exception inside backward) before its
     // end-of-backward callback ran.
     if (next_bucket_ > 0) {
-      std::string message =
-          "pyreducer: the previous backward on rank " + std::to_string(group_->getRank()) +
-          " was interrupted after it had launched " + std::to_string(next_bucket_) + " of " +
-          std::to_string(set_.buckets.size()) +
-          " bucket all-reduces; the ranks may now disagree on which collectives ran, so "
-          "training cannot continue safely. Fix the error raised in that backward.";
-      reset_iteration();
-      throw std::runtime_error(message);
+      fail("pyreducer: the previous backward on rank " + std::to_string(group_->getRank()) +
+           " was interrupted after it had launched " + std::to_string(next_bucket_) + " of " +
+           std::to_string(set_.buckets.size()) +
+           " bucket all-reduces; the ranks may now disagree on which collectives ran, so "
+           "training cannot continue safely. Fix the error raised in that backward.");
     }
     reset_iteration();
   }
   armed_ = true;
+  finalized_since_forward_ = false;
+  num_iterations_ += 1;
+  if (dynamic_find_unused()) {
+    std::vector<torch::autograd::Node*> nodes;
+    for (const auto& accumulator : accumulators_) nodes.push_back(accumulator.get());
+    const std::vector<uint8_t> reached = reachable(outputs, nodes);
+    unused_.clear();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!reached[i]) unused_.push_back(i);
+    }
+  }
+  if (static_after_first_iteration()) countdown_ = hook_counts_;
+  lock.unlock();
+
+  std::vector<at::Tensor> with_grad;
+  std::vector<size_t> positions;
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (outputs[k].defined() && outputs[k].requires_grad()) {
+      with_grad.push_back(outputs[k]);
+      positions.push_back(k);
+    }
+  }
+  std::vector<at::Tensor> result = outputs;
+  if (!with_grad.empty()) {
+    auto sunk = Sink::apply(at::TensorList(with_grad), reinterpret_cast<int64_t>(this));
+    for (size_t k = 0; k < positions.size(); ++k) result[positions[k]] = sunk[k];
+  }
+  return result;
 }
 
 bool Reducer::rebuild_buckets() {
@@ -119,6 +176,12 @@ bool Reducer::rebuild_buckets() {
   if (armed_ || finalize_queued_) {
     throw std::logic_error("pyreducer: rebuild_buckets called while a backward is pending");
   }
+  // Parameters that never became ready (unused with static_graph) go last.
+  std::vector<uint8_t> seen(params_.size(), 0);
+  for (int64_t index : ready_order_) seen[index] = 1;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!seen[i]) ready_order_.push_back(static_cast<int64_t>(i));
+  }
   broadcast_int64s(group_, ready_order_, /*root=*/0);
   std::vector<ParamSpec> specs(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -126,13 +189,70 @@ bool Reducer::rebuild_buckets() {
                          group_key(params_[i])};
   }
   std::vector<std::vector<int64_t>> plan;
-  for (BucketSpec& spec : assign_buckets(specs, ready_order_, rebuild_caps_bytes_)) {
+  for (BucketSpec& spec : assign_buckets(specs, ready_order_, options_.rebuild_caps_bytes)) {
     plan.push_back(std::move(spec.param_indices));
   }
   set_ = make_buckets(params_, param_names_, plan);
+  adopt_grads_into_buckets();  // see Note [Bucket rebuild]
   rebuild_pending_ = false;
   ready_order_.clear();
   return true;
+}
+
+void Reducer::note_unsynced_forward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  finalized_since_forward_ = false;
+}
+
+void Reducer::on_backward_start() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (armed_) begin_backward();
+}
+
+void Reducer::begin_backward() {
+  if (backward_started_) return;
+  backward_started_ = true;
+  if (!finalize_queued_) {
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+    finalize_queued_ = true;
+  }
+  if (dynamic_find_unused() || static_after_first_iteration()) {
+    for (size_t index : unused_) mark_ready(index);
+  }
+}
+
+void Reducer::autograd_hook(size_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if ((dynamic_find_unused() || static_first_iteration()) &&
+      params_[index].grad().defined()) {
+    locally_used_[index] = 1;  // also under no_sync: see Note [Unused parameters]
+  }
+  if (!armed_) {
+    if (finalized_since_forward_) {
+      throw std::runtime_error(
+          "pyreducer: parameter " + param_names_[index] + " on rank " +
+          std::to_string(group_->getRank()) +
+          " received a gradient from a second backward after this forward's gradients were "
+          "already averaged; that gradient would stay local (un-averaged). Run a forward "
+          "before each backward, or use no_sync() for deliberate local accumulation.");
+    }
+    return;
+  }
+  begin_backward();
+  if (static_first_iteration()) {
+    hook_counts_[index] += 1;  // reduced all at once in finalize_backward
+    return;
+  }
+  if (static_after_first_iteration()) {
+    if (hook_counts_[index] == 0 || countdown_[index] == 0) {
+      fail("pyreducer: with static_graph=True, parameter " + param_names_[index] + " on rank " +
+           std::to_string(group_->getRank()) + " got more gradients this iteration than in the "
+           "first one (" + std::to_string(hook_counts_[index]) +
+           "): the graph changed, which static_graph does not allow.");
+    }
+    if (--countdown_[index] > 0) return;
+  }
+  mark_ready(index);
 }
 
 void Reducer::check_gradient(size_t index, const at::Tensor& grad, const at::Tensor& slot) const {
@@ -144,50 +264,43 @@ void Reducer::check_gradient(size_t index, const at::Tensor& grad, const at::Ten
   }
   if (grad.scalar_type() != slot.scalar_type() || grad.device() != slot.device() ||
       !grad.sizes().equals(slot.sizes())) {
-    std::ostringstream message;
-    message << "pyreducer: parameter " << param_names_[index] << " expected a gradient of "
-            << slot.scalar_type() << " on " << slot.device() << " with shape " << slot.sizes()
-            << ", found " << grad.scalar_type() << " on " << grad.device() << " with shape "
-            << grad.sizes();
-    throw std::runtime_error(message.str());
+    throw std::runtime_error(c10::str(
+        "pyreducer: parameter ", param_names_[index], " expected a gradient of ",
+        slot.scalar_type(), " on ", slot.device(), " with shape ", slot.sizes(), ", found ",
+        grad.scalar_type(), " on ", grad.device(), " with shape ", grad.sizes()));
   }
 }
 
-void Reducer::mark_variable_ready(size_t index) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!armed_) return;
+void Reducer::mark_ready(size_t index) {
   if (ready_[index]) {
-    throw std::runtime_error(
-        "pyreducer: parameter " + param_names_[index] + " on rank " +
-        std::to_string(group_->getRank()) +
-        " was marked ready twice in one backward: its AccumulateGrad hook fired more than "
-        "once, which happens with reentrant activation checkpointing; this needs "
-        "static_graph=True.");
+    fail("pyreducer: parameter " + param_names_[index] + " on rank " +
+         std::to_string(group_->getRank()) +
+         " was marked ready twice in one backward: its AccumulateGrad hook fired more than "
+         "once (reentrant activation checkpointing does this; pass static_graph=True), or it "
+         "was found unused and then got a gradient anyway.");
   }
   const SlotLocation& location = set_.locations[index];
   Bucket& bucket = set_.buckets[location.bucket];
   at::Tensor& slot = bucket.views[location.slot];
-  const at::Tensor& grad = params_[index].grad();
-  check_gradient(index, grad, slot);  // before any state changes
+  at::Tensor& grad = params_[index].mutable_grad();
+  check_gradient(index, grad, slot);
 
-  if (!finalize_queued_) {
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
-    finalize_queued_ = true;
-  }
   ready_[index] = 1;
   num_ready_ += 1;
-  if (rebuild_pending_ && !ready_order_complete_) ready_order_.push_back(index);
-
+  if (rebuild_pending_ && !ready_order_complete_ && !static_first_iteration()) {
+    ready_order_.push_back(static_cast<int64_t>(index));
+  }
   at::NoGradGuard no_grad;
-  if (grad.defined()) {
-    copy_scaled_into(slot, grad, grad_scale_);
-  } else {
+  if (!grad.defined()) {
     slot.zero_();
+  } else if (grad.is_alias_of(slot)) {
+    slot.mul_(grad_scale_);  // gradient_as_bucket_view: accumulated in place already
+  } else {
+    copy_scaled_into(slot, grad, grad_scale_);
+    if (options_.gradient_as_bucket_view) grad = slot;
   }
   bucket.pending -= 1;
-  if (bucket.pending == 0 && location.bucket == next_bucket_) {
-    launch_ready_buckets();
-  }
+  if (bucket.pending == 0 && location.bucket == next_bucket_) launch_ready_buckets();
 }
 
 void Reducer::launch_ready_buckets() {
@@ -196,6 +309,13 @@ void Reducer::launch_ready_buckets() {
     bucket.work = allreduce_sum_async(group_, bucket.flat);
     next_bucket_ += 1;
   }
+  if (next_bucket_ == set_.buckets.size() && dynamic_find_unused()) launch_used_map_allreduce();
+}
+
+void Reducer::launch_used_map_allreduce() {
+  at::NoGradGuard no_grad;
+  used_map_.copy_(at::tensor(locally_used_, at::TensorOptions().dtype(at::kInt)));
+  used_map_work_ = allreduce_sum_async(group_, used_map_);
 }
 
 std::string Reducer::describe_unready(size_t max_names) const {
@@ -212,42 +332,86 @@ std::string Reducer::describe_unready(size_t max_names) const {
 
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (static_first_iteration()) {
+    // See Note [Unused parameters]: reduce everything now, in parameter order.
+    unused_.clear();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (hook_counts_[i] == 0) unused_.push_back(i);
+      mark_ready(i);
+    }
+    launch_used_map_allreduce();
+  }
   if (next_bucket_ < set_.buckets.size()) {
-    std::string message =
-        "pyreducer: backward on rank " + std::to_string(group_->getRank()) +
-        " finished before every gradient was reduced: " + describe_unready(20) +
-        ". The gradients would be left un-averaged. Make every parameter take part in the "
-        "loss, or exclude it with "
-        "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) "
-        "before wrapping, or set requires_grad=False on it.";
-    reset_iteration();
-    throw std::runtime_error(message);
+    fail("pyreducer: backward on rank " + std::to_string(group_->getRank()) +
+         " finished before every gradient was reduced: " + describe_unready(20) +
+         ". The gradients would be left un-averaged. Make every parameter take part in the "
+         "loss, pass find_unused_parameters=True, or exclude parameters with "
+         "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) "
+         "before wrapping.");
   }
   try {
-    for (size_t b = 0; b < set_.buckets.size(); ++b) {
-      wait_or_throw(set_.buckets[b].work, group_, "all-reduce of bucket " + std::to_string(b));
-    }
+    wait_and_copy_out();
   } catch (...) {
     reset_iteration();
     throw;
   }
+  if (dynamic_find_unused()) std::fill(locally_used_.begin(), locally_used_.end(), 0);
+  if (rebuild_pending_ && !ready_order_complete_ && !static_first_iteration()) {
+    ready_order_complete_ = true;
+  }
+  finalized_since_forward_ = true;
+  reset_iteration();
+}
+
+void Reducer::wait_and_copy_out() {
+  for (size_t b = 0; b < set_.buckets.size(); ++b) {
+    wait_or_throw(set_.buckets[b].work, group_, "all-reduce of bucket " + std::to_string(b));
+  }
+  if (used_map_work_) {
+    wait_or_throw(used_map_work_, group_, "all-reduce of the used-parameter map");
+    used_map_work_.reset();
+    const at::Tensor used = used_map_.cpu();
+    const int32_t* data = used.data_ptr<int32_t>();
+    for (size_t i = 0; i < params_.size(); ++i) globally_unused_[i] = data[i] == 0;
+  }
   at::NoGradGuard no_grad;
   for (Bucket& bucket : set_.buckets) {
     for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
-      at::Tensor& param = params_[bucket.param_indices[k]];
-      copy_out_of_slot(param.mutable_grad(), bucket.views[k], param);
+      const int64_t index = bucket.param_indices[k];
+      if (globally_unused_[index]) continue;  // keeps its .grad as it was
+      at::Tensor& param = params_[index];
+      at::Tensor& grad = param.mutable_grad();
+      if (options_.gradient_as_bucket_view) {
+        if (!grad.defined()) grad = bucket.views[k];
+      } else {
+        copy_out_of_slot(grad, bucket.views[k], param);
+      }
     }
   }
-  if (rebuild_pending_) ready_order_complete_ = true;
-  reset_iteration();
+}
+
+void Reducer::adopt_grads_into_buckets() {
+  if (!options_.gradient_as_bucket_view) return;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    const SlotLocation& location = set_.locations[i];
+    at::Tensor& slot = set_.buckets[location.bucket].views[location.slot];
+    if (grad.defined() && !grad.is_alias_of(slot)) {
+      slot.copy_(grad);
+      grad = slot;
+    }
+  }
 }
 
 void Reducer::reset_iteration() {
   armed_ = false;
   finalize_queued_ = false;
+  backward_started_ = false;
   next_bucket_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
   num_ready_ = 0;
+  used_map_work_.reset();
   if (!ready_order_complete_) ready_order_.clear();  // only a finished backward's order counts
   for (Bucket& bucket : set_.buckets) {
     bucket.pending = bucket.param_indices.size();

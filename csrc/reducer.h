@@ -2,23 +2,37 @@
 //
 // Note [Reducer iteration]
 // One synced iteration goes through these states, on every rank in the same order:
-//   1. prepare_for_backward() (end of the wrapper's forward, Python thread) arms the reducer.
+//   1. prepare_for_backward(outputs) (end of the wrapper's forward, Python thread) arms the
+//      reducer and threads the outputs through a sink node whose backward runs first in the
+//      outer backward: it queues finalize_backward() on that (outermost) graph task, so reentrant
+//      backward passes (activation checkpointing) cannot end the iteration early.
 //   2. During backward, the post-hook on each parameter's AccumulateGrad node calls
 //      mark_variable_ready(i): it copies grad * (1/world_size) into the parameter's slot and,
 //      when a bucket's last slot is filled, launches every ready bucket that is next in index
 //      order (all ranks launch buckets 0, 1, 2, ... in that order, so collectives match).
-//      The first hook of the backward queues finalize_backward() on the autograd engine.
 //   3. finalize_backward() runs when backward ends: it checks that every parameter produced a
 //      gradient (else it raises, naming them), waits on every bucket's work, writes the averaged
-//      gradients into param.grad, and disarms.
+//      gradients into param.grad (nothing to write for bucket views), and disarms.
 // While disarmed (no_sync, or a forward without grad) the hooks do nothing: gradients accumulate
 // locally and the next synced backward reduces the accumulated sum.
 //
+// Note [Unused parameters]
+// With find_unused_parameters (and no static graph), prepare_for_backward walks the autograd
+// graph from the outputs; parameters it cannot reach are marked ready when backward starts
+// (their slot holds their current .grad, or zeros). Each rank also records which parameters got
+// a defined gradient since the last synced step (no_sync micro-batches included); that map is
+// all-reduced after the last bucket, and parameters unused on every rank keep their .grad as is.
+// With static_graph, the first iteration only counts how often each hook fires; at its end all
+// gradients are reduced at once in parameter order. Later iterations trust those counts: a
+// parameter is ready when its hook has fired that many times (reentrant checkpointing fires
+// some hooks several times), and parameters never seen are marked ready at backward start.
+//
 // Note [Bucket rebuild]
-// As torch DDP does, the first synced backward records the order in which gradients become
-// ready; the next forward with grad enabled calls rebuild_buckets(), which broadcasts rank 0's
-// order and re-plans the buckets along it (so every rank gets the same buckets). Bucket buffers
-// never alias param.grad, so a rebuild loses nothing that no_sync() accumulated.
+// As torch DDP does, one backward records the order in which gradients become ready (the first
+// synced one, or the second with static_graph); the next forward with grad enabled calls
+// rebuild_buckets(), which broadcasts rank 0's order and re-plans the buckets along it, so every
+// rank gets the same buckets. With gradient_as_bucket_view, gradients (e.g. accumulated under
+// no_sync) are copied into the new buckets before the old ones are dropped: nothing is lost.
 #pragma once
 
 #include <cstdint>
@@ -37,15 +51,21 @@ struct Node;
 
 namespace pyreducer {
 
+struct ReducerOptions {
+  bool find_unused_parameters = false;  // see Note [Unused parameters]
+  bool static_graph = false;
+  bool gradient_as_bucket_view = false;  // param.grad aliases its bucket slot
+  // Caps for the one rebuild (see assign_buckets); empty = never rebuild.
+  std::vector<int64_t> rebuild_caps_bytes;
+};
+
 class Reducer {
  public:
   // Builds the buckets of `initial_plan` (see make_buckets) and hooks every parameter's
-  // AccumulateGrad node. `param_names[i]` names `params[i]` in errors. `rebuild_caps_bytes`:
-  // caps for the one rebuild after the first iteration (see assign_buckets); empty = never
-  // rebuild. Called once, from the Python thread.
+  // AccumulateGrad node. `param_names[i]` names `params[i]` in errors. Python thread, once.
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_names,
           const std::vector<std::vector<int64_t>>& initial_plan, ProcessGroupPtr group,
-          std::vector<int64_t> rebuild_caps_bytes);
+          ReducerOptions options);
 
   // Removes the hooks. Must not run during a backward that uses these parameters.
   ~Reducer();
@@ -53,17 +73,24 @@ class Reducer {
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
-  // Arms the reducer for the next backward (see Note [Reducer iteration]). Called at the end of
-  // the wrapper's forward when grad is enabled and gradient sync is on. Throws if the previous
-  // synced backward was interrupted after it had launched collectives.
-  void prepare_for_backward();
+  // Arms the reducer (see Note [Reducer iteration]) and returns `outputs` threaded through the
+  // sink node (same values; the caller returns these to the user). Called at the end of a
+  // forward with grad enabled and gradient sync on. Throws if the previous synced backward was
+  // interrupted after it had launched collectives. Python thread.
+  std::vector<at::Tensor> prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  // Records that a forward ran without arming (no_sync or grad disabled). Python thread.
+  void note_unsynced_forward();
 
   // See Note [Bucket rebuild]. Called at the start of every forward with grad enabled, on every
   // rank; returns true if it rebuilt (once per Reducer). Collective when it rebuilds.
   bool rebuild_buckets();
 
   // The hook body: parameter `index` has its gradient in param.grad. Autograd thread, no GIL.
-  void mark_variable_ready(size_t index);
+  void autograd_hook(size_t index);
+
+  // The sink node's backward: the outer backward has started. Autograd thread, no GIL.
+  void on_backward_start();
 
   // End-of-backward callback queued on the autograd engine. Autograd thread, no GIL.
   void finalize_backward();
@@ -75,15 +102,26 @@ class Reducer {
   bool armed() const;
 
  private:
-  void launch_ready_buckets();  // requires mutex_
-  void reset_iteration();       // requires mutex_
-  std::string describe_unready(size_t max_names) const;  // requires mutex_
+  // All private methods require mutex_.
+  bool dynamic_find_unused() const { return options_.find_unused_parameters && !options_.static_graph; }
+  bool static_first_iteration() const { return options_.static_graph && num_iterations_ == 1; }
+  bool static_after_first_iteration() const { return options_.static_graph && num_iterations_ > 1; }
+  void begin_backward();
+  void mark_ready(size_t index);
+  void launch_ready_buckets();
+  void launch_used_map_allreduce();
+  void wait_and_copy_out();
+  void adopt_grads_into_buckets();
+  void reset_iteration();
+  std::string describe_unready(size_t max_names) const;
   void check_gradient(size_t index, const at::Tensor& grad, const at::Tensor& slot) const;
+  [[noreturn]] void fail(const std::string& message);  // resets the iteration, then throws
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> param_names_;
   BucketSet set_;
   ProcessGroupPtr group_;
+  ReducerOptions options_;
   int64_t world_size_ = 1;
   double grad_scale_ = 1.0;  // 1 / world_size
 
@@ -91,18 +129,30 @@ class Reducer {
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
 
+  mutable std::mutex mutex_;
+  // Per iteration (see Note [Reducer iteration]).
+  bool armed_ = false;
+  bool finalize_queued_ = false;
+  bool backward_started_ = false;
+  bool finalized_since_forward_ = false;
+  size_t next_bucket_ = 0;      // buckets [0, next_bucket_) are launched
+  std::vector<uint8_t> ready_;  // per parameter
+  size_t num_ready_ = 0;
+  int64_t num_iterations_ = 0;  // synced forwards so far
+
+  // Unused parameters (see Note [Unused parameters]).
+  std::vector<size_t> unused_;          // marked ready at backward start
+  std::vector<int32_t> locally_used_;   // defined gradient since the last synced step
+  at::Tensor used_map_;                 // its all-reduced copy (int32, on the params' device)
+  WorkPtr used_map_work_;
+  std::vector<uint8_t> globally_unused_;
+  std::vector<int64_t> hook_counts_;    // static graph: hook firings in the first iteration
+  std::vector<int64_t> countdown_;      // static graph: firings still expected this iteration
+
   // Bucket rebuild (see Note [Bucket rebuild]).
-  std::vector<int64_t> rebuild_caps_bytes_;
   bool rebuild_pending_ = false;
   bool ready_order_complete_ = false;
   std::vector<int64_t> ready_order_;
-
-  mutable std::mutex mutex_;
-  bool armed_ = false;
-  bool finalize_queued_ = false;
-  size_t next_bucket_ = 0;      // buckets [0, next_bucket_) are launched
-  std::vector<uint8_t> ready_;  // per parameter, this iteration
-  size_t num_ready_ = 0;
 };
 
 }  // namespace pyreducer

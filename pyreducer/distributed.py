@@ -7,6 +7,7 @@ the C++ Reducer (csrc/reducer.cpp); this module builds it and does what DDP does
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from contextlib import contextmanager
 
@@ -20,9 +21,6 @@ from pyreducer._ext import _C
 # Arguments of torch DDP that pyreducer does not serve yet: passing a non-default value raises
 # NotImplementedError naming the argument (nothing is ignored silently).
 _NOT_YET = {
-    "find_unused_parameters": False,
-    "gradient_as_bucket_view": False,
-    "static_graph": False,
     "delay_all_reduce_named_params": None,
     "param_to_hook_all_reduce": None,
     "mixed_precision": None,
@@ -48,9 +46,7 @@ class DistributedDataParallel(nn.Module):
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None):
         super().__init__()
-        given = dict(find_unused_parameters=find_unused_parameters,
-                     gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
-                     delay_all_reduce_named_params=delay_all_reduce_named_params,
+        given = dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
                      param_to_hook_all_reduce=param_to_hook_all_reduce,
                      mixed_precision=mixed_precision,
                      skip_all_reduce_unused_params=skip_all_reduce_unused_params,
@@ -97,10 +93,16 @@ class DistributedDataParallel(nn.Module):
 
         self.bucket_caps_bytes = bucketing.caps_bytes(bucket_cap_mb, bucket_cap_mb_list)
         self.bucket_bytes_cap = max(self.bucket_caps_bytes)
-        one_bucket_first = not bucket_cap_mb_list and (static_graph or not find_unused_parameters)
-        plan = bucketing.initial_plan(params, self.bucket_caps_bytes, one_bucket=one_bucket_first)
+        # torch DDP's schedule: with a static graph or without unused-parameter search, one
+        # bucket for the first iteration, then a rebuild along the observed ready order.
+        rebuild = static_graph or not find_unused_parameters
+        plan = bucketing.initial_plan(params, self.bucket_caps_bytes,
+                                      one_bucket=rebuild and not bucket_cap_mb_list)
         self.reducer = _C.Reducer(params, self._param_names, plan, self.process_group,
-                                  self.bucket_caps_bytes)
+                                  self.bucket_caps_bytes if rebuild else [],
+                                  find_unused_parameters=find_unused_parameters,
+                                  static_graph=static_graph,
+                                  gradient_as_bucket_view=gradient_as_bucket_view)
 
     # -- DDP's forward ---------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -115,9 +117,12 @@ class DistributedDataParallel(nn.Module):
             output = self.module(*inputs, **kwargs)
             if torch.is_grad_enabled() and self.require_backward_grad_sync:
                 self.require_forward_param_sync = True
-                self.reducer.prepare_for_backward()
+                tensors = []
+                _collect_tensors(output, tensors)
+                output = _replace_tensors(output, iter(self.reducer.prepare_for_backward(tensors)))
             else:
                 self.require_forward_param_sync = False
+                self.reducer.note_unsynced_forward()
             return output
 
     @contextmanager
@@ -268,6 +273,38 @@ def _resolve_buffer_sync(broadcast_buffers, forward_sync_buffers):
         return forward_sync_buffers, True
     effective = broadcast_buffers if broadcast_buffers is not None else True
     return effective, effective
+
+
+def _collect_tensors(obj, out: list) -> None:
+    """Tensors inside a forward's output (tensors, lists, tuples, dicts, dataclasses)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _collect_tensors(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _collect_tensors(item, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            _collect_tensors(getattr(obj, field.name), out)
+
+
+def _replace_tensors(obj, replacements):
+    """The same structure as obj, its tensors taken in order from `replacements`."""
+    if isinstance(obj, torch.Tensor):
+        return next(replacements)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_replace_tensors(o, replacements) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_replace_tensors(o, replacements) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _replace_tensors(v, replacements)) for k, v in obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _replace_tensors(getattr(obj, f.name),
+                                                                    replacements)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
 
 
 def _to_device(obj, device):

@@ -12,9 +12,9 @@ from pyreducer import DistributedDataParallel
 # The options pyreducer serves today. Adding one is a visible decision: update this list.
 SUPPORTED = ["module", "device_ids", "output_device", "dim", "broadcast_buffers", "init_sync",
              "process_group", "bucket_cap_mb", "check_reduction", "device_mesh",
-             "bucket_cap_mb_list", "forward_sync_buffers"]
-NOT_YET = {"find_unused_parameters": True, "gradient_as_bucket_view": True, "static_graph": True,
-           "delay_all_reduce_named_params": [], "param_to_hook_all_reduce": object(),
+             "bucket_cap_mb_list", "forward_sync_buffers", "find_unused_parameters",
+             "gradient_as_bucket_view", "static_graph"]
+NOT_YET = {"delay_all_reduce_named_params": [], "param_to_hook_all_reduce": object(),
            "mixed_precision": object(), "skip_all_reduce_unused_params": True,
            "batched_grad_copy": True}
 

@@ -294,7 +294,7 @@ void Reducer::mark_ready(size_t index) {
   if (!grad.defined()) {
     slot.zero_();
   } else if (grad.is_alias_of(slot)) {
-    slot.mul_(grad_scale_);  // gradient_as_bucket_view: accumulated in place already
+    slot.div_(world_size_);  // bucket view, accumulated in place; divides as torch DDP does
   } else {
     copy_scaled_into(slot, grad, grad_scale_);
     if (options_.gradient_as_bucket_view) grad = slot;

@@ -199,6 +199,14 @@ bool Reducer::rebuild_buckets() {
   return true;
 }
 
+void Reducer::complete_ready_order() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!rebuild_pending_ || ready_order_complete_) return;
+  ready_order_.clear();
+  for (size_t i = 0; i < params_.size(); ++i) ready_order_.push_back(static_cast<int64_t>(i));
+  ready_order_complete_ = true;
+}
+
 void Reducer::note_unsynced_forward() {
   std::lock_guard<std::mutex> lock(mutex_);
   finalized_since_forward_ = false;

@@ -79,6 +79,10 @@ class Reducer {
   // interrupted after it had launched collectives. Python thread.
   std::vector<at::Tensor> prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
+  // For a rank that shadows backward passes under join(): if no ready order was recorded yet,
+  // takes parameter order, so this rank joins the next rebuild as the others do. Python thread.
+  void complete_ready_order();
+
   // Records that a forward ran without arming (no_sync or grad disabled). Python thread.
   void note_unsynced_forward();
 

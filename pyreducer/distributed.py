@@ -15,8 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch.distributed.algorithms.join import Join, Joinable
+
 from pyreducer import bucketing, sync
 from pyreducer._ext import _C
+from pyreducer.join import ReducerJoinHook, find_common_rank, vote_backward_sync
 
 # Arguments of torch DDP that pyreducer does not serve yet: passing a non-default value raises
 # NotImplementedError naming the argument (nothing is ignored silently).
@@ -29,7 +32,7 @@ _NOT_YET = {
 }
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel wrapper: averages gradients across ranks during backward.
 
     Arguments are torch DDP's (torch 2.13), with DDP's meaning and defaults; see
@@ -46,6 +49,7 @@ class DistributedDataParallel(nn.Module):
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None):
         super().__init__()
+        Joinable.__init__(self)
         given = dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
                      param_to_hook_all_reduce=param_to_hook_all_reduce,
                      mixed_precision=mixed_precision,
@@ -107,10 +111,14 @@ class DistributedDataParallel(nn.Module):
     # -- DDP's forward ---------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         with torch.autograd.profiler.record_function("pyreducer.DistributedDataParallel.forward"):
+            # The collectives below, in this order, are shadowed by joined ranks (join.py).
+            Join.notify_join_context(self)
             if torch.is_grad_enabled():
                 self.reducer.rebuild_buckets()  # once, after the first synced backward
             if self.require_forward_param_sync and self.forward_sync_buffers:
                 self._sync_buffers()
+            if self._join_config.enable:
+                vote_backward_sync(self, joined=False)
             if self.device_ids:
                 device = torch.device(self._device_type, self.device_ids[0])
                 inputs, kwargs = _to_device(inputs, device), _to_device(kwargs, device)
@@ -181,12 +189,46 @@ class DistributedDataParallel(nn.Module):
         # Looked up at every use: modules may reassign their buffers.
         return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
 
-    def _sync_buffers(self) -> None:
+    def _sync_buffers(self, joined: bool = False) -> None:
         buffers = self._module_buffers()
         if not buffers:
             return
+        # Under join(), rank 0 may have joined with stale buffers: the largest training rank
+        # is the source instead.
+        src = find_common_rank(self, not joined) if self._join_config.enable else 0
         with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-            sync.broadcast_coalesced(buffers, self.process_group)
+            sync.broadcast_coalesced(buffers, self.process_group, src=src)
+
+    @property
+    def _device(self) -> torch.device:
+        return self._params[0].device
+
+    def _bucket_shapes(self) -> list[tuple[int, torch.dtype, torch.device]]:
+        """(elements, dtype, device) of every bucket, in launch order."""
+        shapes = []
+        for bucket in self.reducer.bucket_layout():
+            first = self._params[bucket["param_indices"][0]]
+            shapes.append((bucket["size_bytes"] // first.element_size(), first.dtype,
+                           first.device))
+        return shapes
+
+    # -- uneven inputs (torch.distributed.algorithms.join protocol) -------------------------------
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """Context manager for uneven inputs, as torch DDP's join(); see pyreducer/join.py."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> ReducerJoinHook:
+        return ReducerJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
 
 
 def _resolve_group(process_group, device_mesh):

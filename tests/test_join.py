@@ -1,0 +1,67 @@
+"""Uneven inputs: parity with torch DDP's join() when ranks have different numbers of batches
+(joined ranks shadow the others' collectives; the last joiner's model is broadcast at the end)."""
+import copy
+
+import pytest
+import torch
+
+CASES = {
+    "mlp": dict(model="mlp", ddp={}),
+    "cnn_buffers": dict(model="cnn", ddp={}),
+    "mlp_small_buckets": dict(model="mlp", ddp=dict(bucket_cap_mb=0.1)),
+    "mlp_find_unused": dict(model="mlp", ddp=dict(find_unused_parameters=True)),
+}
+
+
+def _batches(rank):
+    return 3 + 2 * rank  # rank 0 runs out first
+
+
+def _train(cls, base, case, rank):
+    from pyreducer import models
+
+    spec = models.spec(case["model"])
+    model = cls(copy.deepcopy(base), **case["ddp"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(50 + rank)
+    with model.join():
+        for _ in range(_batches(rank)):
+            opt.zero_grad()
+            spec.loss(model, spec.batch(gen, 8)).backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def join_worker(rank, world_size, names):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel, models
+
+    out = {}
+    for name in names:
+        torch.manual_seed(5)
+        base = models.spec(CASES[name]["model"]).build()
+        out[name] = dict(torch=_train(TorchDDP, base, CASES[name], rank),
+                         ours=_train(DistributedDataParallel, base, CASES[name], rank))
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"{ws}ranks")
+def joined(request, ranks_once):
+    return request.param, ranks_once(join_worker, request.param, (tuple(CASES),))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_join_matches_torch_ddp(joined, name):
+    world_size, results = joined
+    for rank, r in enumerate(results):
+        theirs, ours = r[name]["torch"], r[name]["ours"]
+        for key in theirs:
+            if theirs[key].is_floating_point():
+                diff = (ours[key] - theirs[key]).abs().max().item()
+                assert diff <= 1e-6, f"rank {rank}: {key} differs by {diff:.3g}"
+            else:
+                assert torch.equal(ours[key], theirs[key]), f"rank {rank}: {key}"
+    for rank in range(1, world_size):  # the final broadcast makes all ranks equal
+        for key, value in results[rank][name]["ours"].items():
+            assert torch.equal(value, results[0][name]["ours"][key]), f"rank {rank}: {key}"

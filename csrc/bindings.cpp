@@ -82,6 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("complete_ready_order", &Reducer::complete_ready_order)
       .def("rebuild_buckets", &Reducer::rebuild_buckets, py::call_guard<py::gil_scoped_release>())
       .def("bucket_layout", &pyreducer::bucket_layout)
+      .def("bucket_buffers", &Reducer::bucket_buffers)
       .def_property_readonly("armed", &Reducer::armed)
       .def_property_readonly("world_size", &Reducer::world_size);
 }

@@ -120,6 +120,13 @@ std::vector<int64_t> Reducer::bucket_sizes_bytes() const {
   return result;
 }
 
+std::vector<at::Tensor> Reducer::bucket_buffers() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<at::Tensor> result;
+  for (const Bucket& bucket : set_.buckets) result.push_back(bucket.flat);
+  return result;
+}
+
 void Reducer::fail(const std::string& message) {
   reset_iteration();
   throw std::runtime_error(message);

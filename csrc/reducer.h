@@ -102,6 +102,7 @@ class Reducer {
   // Snapshot of the bucket plan: parameter indices per bucket (launch order), and bytes.
   std::vector<std::vector<int64_t>> plan() const;
   std::vector<int64_t> bucket_sizes_bytes() const;
+  std::vector<at::Tensor> bucket_buffers() const;  // the flat buffers (inspection, memory tests)
   int64_t world_size() const { return world_size_; }
   bool armed() const;
 

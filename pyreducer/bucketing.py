@@ -6,6 +6,9 @@ cap arguments into its inputs.
 """
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from pyreducer._ext import _C
@@ -69,3 +72,44 @@ def initial_plan(params: list[torch.Tensor], caps: list[int], one_bucket: bool) 
 def group_key(tensor: torch.Tensor) -> str:
     """Parameters with different keys (dtype, device) never share a bucket."""
     return f"{tensor.dtype}/{tensor.device}"
+
+
+def plan_from_names(plan, names: list[str]) -> list[list[int]]:
+    """Parameter indices per bucket from a saved plan.
+
+    Args:
+        plan: a path to a JSON file written by DistributedDataParallel.save_bucket_plan, the
+            list returned by bucket_plan(), or a list of lists of parameter names.
+        names: the reduced parameters' names, in parameter order.
+    Raises ValueError naming the parameter when the plan does not cover every reduced parameter
+    exactly once.
+    """
+    if isinstance(plan, (str, os.PathLike)):
+        with open(plan) as f:
+            plan = json.load(f)["buckets"]
+    buckets = [b["params"] if isinstance(b, dict) else list(b) for b in plan]
+    index = {name: i for i, name in enumerate(names)}
+    seen: dict[str, int] = {}
+    result = []
+    for b, bucket in enumerate(buckets):
+        if not bucket:
+            raise ValueError(f"bucket plan: bucket {b} is empty")
+        for name in bucket:
+            if name not in index:
+                raise ValueError(f"bucket plan: bucket {b} names {name!r}, which is not a reduced "
+                                 f"parameter of this model (expected names like {names[0]!r})")
+            if name in seen:
+                raise ValueError(f"bucket plan: {name!r} is in bucket {seen[name]} and bucket {b}")
+            seen[name] = b
+        result.append([index[name] for name in bucket])
+    missing = [name for name in names if name not in seen]
+    if missing:
+        raise ValueError(f"bucket plan: {len(missing)} reduced parameter(s) are in no bucket: "
+                         f"{missing[:10]}")
+    return result
+
+
+def save_plan(plan: list[dict], path) -> None:
+    """Writes a plan (as returned by bucket_plan()) as JSON."""
+    with open(path, "w") as f:
+        json.dump({"format": "pyreducer.bucket_plan", "version": 1, "buckets": plan}, f, indent=1)

@@ -39,6 +39,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     torch.nn.parallel.DistributedDataParallel. pyreducer differences: errors name the
     parameters and ranks involved, always; a backward that leaves a parameter without gradient
     raises at its end instead of at the next forward.
+
+    pyreducer's own arguments (keyword-only):
+        bucket_plan: replay a saved bucket plan exactly (a JSON path from save_bucket_plan(),
+            the list bucket_plan() returns, or lists of parameter names; launch order). The
+            plan must be the same on every rank (checked) and is never rebuilt.
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
@@ -47,7 +52,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                  gradient_as_bucket_view=False, static_graph=False,
                  delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
-                 bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None):
+                 bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
+                 *, bucket_plan=None):
         super().__init__()
         Joinable.__init__(self)
         given = dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
@@ -99,9 +105,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.bucket_bytes_cap = max(self.bucket_caps_bytes)
         # torch DDP's schedule: with a static graph or without unused-parameter search, one
         # bucket for the first iteration, then a rebuild along the observed ready order.
-        rebuild = static_graph or not find_unused_parameters
-        plan = bucketing.initial_plan(params, self.bucket_caps_bytes,
-                                      one_bucket=rebuild and not bucket_cap_mb_list)
+        rebuild = (static_graph or not find_unused_parameters) and bucket_plan is None
+        if bucket_plan is not None:
+            plan = bucketing.plan_from_names(bucket_plan, self._param_names)
+            sync.verify_same_plan(plan, self.process_group)
+        else:
+            plan = bucketing.initial_plan(params, self.bucket_caps_bytes,
+                                          one_bucket=rebuild and not bucket_cap_mb_list)
         self.reducer = _C.Reducer(params, self._param_names, plan, self.process_group,
                                   self.bucket_caps_bytes if rebuild else [],
                                   find_unused_parameters=find_unused_parameters,
@@ -165,6 +175,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                              device=str(params[names[0]].device),
                              size_bytes=bucket["size_bytes"]))
         return plan
+
+    def save_bucket_plan(self, path) -> None:
+        """Writes bucket_plan() as JSON; pass the path as bucket_plan= to replay it."""
+        bucketing.save_plan(self.bucket_plan(), path)
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore):

@@ -37,6 +37,19 @@ def verify_same_model(named_params: list[tuple[str, torch.Tensor]], group) -> No
                     f"{_describe(theirs)} on rank {rank}.")
 
 
+def verify_same_plan(plan: list[list[int]], group) -> None:
+    """Raises ValueError on every rank unless all ranks were given the same bucket plan."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, plan, group=group)
+    for rank, theirs in enumerate(gathered[1:], start=1):
+        if theirs != gathered[0]:
+            first = next((b for b, (x, y) in enumerate(zip(gathered[0], theirs)) if x != y),
+                         min(len(theirs), len(gathered[0])))
+            raise ValueError(f"bucket_plan differs between ranks: rank {rank} and rank 0 differ "
+                             f"at bucket {first} (rank 0 has {len(gathered[0])} buckets, rank "
+                             f"{rank} has {len(theirs)}); every rank must replay the same plan.")
+
+
 def broadcast_coalesced(tensors: list[torch.Tensor], group, src: int = 0,
                         chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
     """Overwrites `tensors` on every rank with rank `src`'s values.

@@ -23,8 +23,16 @@ def _params(fn):
     return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values()]
 
 
+# pyreducer's own arguments: keyword-only, after all of DDP's.
+EXTRAS = ["bucket_plan"]
+
+
 def test_same_arguments_order_and_defaults_as_installed_torch():
-    assert _params(DistributedDataParallel.__init__) == _params(TorchDDP.__init__)
+    ours, theirs = _params(DistributedDataParallel.__init__), _params(TorchDDP.__init__)
+    assert ours[:len(theirs)] == theirs
+    extras = ours[len(theirs):]
+    assert [name for name, _, _ in extras] == EXTRAS
+    assert all(kind == inspect.Parameter.KEYWORD_ONLY for _, _, kind in extras)
 
 
 def test_every_argument_is_either_supported_or_refused():

@@ -1,6 +1,7 @@
 """The wrapper around the C++ Reducer, on 2 spawned Gloo ranks: checkpoints move between torch
 DDP and pyreducer, buckets are rebuilt from the ready order, clear errors for misuse, and no
 Python runs on the per-gradient path during backward."""
+import copy
 import os
 import sys
 import threading
@@ -102,18 +103,64 @@ def _no_python_checks(results, rank):
     results["num_buckets"] = len(model.bucket_plan())
 
 
-def wrapper_worker(rank, world_size):
+def _plan_replay_checks(results, rank, tmp_dir):
+    from pyreducer import DistributedDataParallel, models
+
+    spec = models.spec("mlp")
+    torch.manual_seed(3)
+    base = spec.build()
+    first = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.3)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):  # the second forward rebuilds from the ready order
+        spec.loss(first, spec.batch(gen, 4)).backward()
+    path = os.path.join(tmp_dir, f"plan-rank{rank}.json")
+    first.save_bucket_plan(path)
+    replay = DistributedDataParallel(copy.deepcopy(base), bucket_plan=path)
+    results["plan_saved"] = first.bucket_plan()
+    results["plan_replayed"] = replay.bucket_plan()
+    spec.loss(replay, spec.batch(gen, 4)).backward()
+    spec.loss(replay, spec.batch(gen, 4)).backward()  # never rebuilt
+    results["plan_after_training"] = replay.bucket_plan()
+    names = [b["params"] for b in first.bucket_plan()]
+    try:
+        DistributedDataParallel(copy.deepcopy(base), bucket_plan=[names[0]])
+        results["incomplete_plan"] = None
+    except ValueError as error:
+        results["incomplete_plan"] = str(error)
+
+
+def _sequence_checks(results, rank):
+    from pyreducer import DistributedDataParallel, models
+
+    spec = models.spec("mlp")
+    model = DistributedDataParallel(spec.build())
+    gen = torch.Generator().manual_seed(rank)
+    model(spec.batch(gen, 4)[0])  # a forward that is never backpropagated is allowed
+    loss = spec.loss(model, spec.batch(gen, 4))
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()
+        results["second_backward"] = None
+    except RuntimeError as error:
+        results["second_backward"] = str(error)
+    spec.loss(model, spec.batch(gen, 4)).backward()  # the next iteration works
+    results["recovered"] = all(p.grad is not None for p in model.parameters())
+
+
+def wrapper_worker(rank, world_size, tmp_dir):
     results = {}
     _state_dict_checks(results)
     _misuse_checks(results)
     _rebuild_checks(results, rank)
     _no_python_checks(results, rank)
+    _plan_replay_checks(results, rank, tmp_dir)
+    _sequence_checks(results, rank)
     return results
 
 
 @pytest.fixture(scope="module")
-def wrapper(ranks_once):
-    return ranks_once(wrapper_worker, 2, ())
+def wrapper(ranks_once, tmp_path_factory):
+    return ranks_once(wrapper_worker, 2, (str(tmp_path_factory.mktemp("plans")),))
 
 
 def test_state_dict_keys_match_torch_ddp(wrapper):
@@ -154,3 +201,24 @@ def test_no_python_on_the_gradient_path(wrapper):
     # the backward did reduce: different data on each rank, identical averaged gradients
     for a, b in zip(wrapper[0]["grads"], wrapper[1]["grads"]):
         assert torch.equal(a, b)
+
+
+def test_saved_plan_replays_exactly(wrapper):
+    for r in wrapper:
+        assert len(r["plan_saved"]) > 1
+        assert r["plan_replayed"] == r["plan_saved"]
+        assert r["plan_after_training"] == r["plan_saved"]
+    assert wrapper[0]["plan_saved"] == wrapper[1]["plan_saved"]
+
+
+def test_incomplete_plan_names_missing_parameters(wrapper):
+    message = wrapper[0]["incomplete_plan"]
+    assert message is not None and "in no bucket" in message and "0.weight" in message
+
+
+def test_second_backward_after_one_forward_is_an_error(wrapper):
+    for rank, r in enumerate(wrapper):
+        message = r["second_backward"]
+        assert message is not None, "second backward passed silently"
+        assert "second backward" in message and f"rank {rank}" in message
+        assert r["recovered"]

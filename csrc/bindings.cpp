@@ -10,6 +10,7 @@ namespace py = pybind11;
 namespace pyreducer {
 namespace {
 
+
 py::list assign_buckets_py(const std::vector<int64_t>& sizes_bytes,
                            const std::vector<std::string>& group_keys,
                            const std::vector<int64_t>& walk_order,
@@ -45,11 +46,44 @@ py::list bucket_layout(const Reducer& reducer) {
   return result;
 }
 
+// Completed iteration records as plain Python data (see Note [Timeline]); times in ns on the
+// monotonic clock, 0 where an event did not happen.
+py::list timeline_records(const Reducer& reducer, size_t last) {
+  return reducer.with_timeline(last, [](const std::vector<const IterationRecord*>& records,
+                                        const auto& plans) {
+    py::list result;
+    for (const IterationRecord* r : records) {
+      py::dict entry;
+      entry["iteration"] = r->iteration;
+      entry["backward_start_ns"] = r->backward_start_ns;
+      entry["backward_end_ns"] = r->backward_end_ns;
+      entry["wait_start_ns"] = r->wait_start_ns;
+      entry["wait_end_ns"] = r->wait_end_ns;
+      entry["finalize_end_ns"] = r->finalize_end_ns;
+      entry["grad_ready_ns"] = r->grad_ready_ns;
+      py::list buckets;
+      const auto& plan = plans.at(static_cast<size_t>(r->plan_version));
+      for (size_t b = 0; b < r->num_buckets; ++b) {
+        py::dict bucket;
+        bucket["param_indices"] = plan.at(b);
+        bucket["ready_ns"] = r->bucket_ready_ns[b];
+        bucket["launch_ns"] = r->bucket_launch_ns[b];
+        bucket["done_ns"] = r->bucket_done_ns[b].load(std::memory_order_acquire);
+        buckets.append(bucket);
+      }
+      entry["buckets"] = buckets;
+      result.append(entry);
+    }
+    return result;
+  });
+}
+
 }  // namespace
 }  // namespace pyreducer
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pyreducer::Reducer;
+  using pyreducer::IterationRecord;
   m.doc() = "pyreducer C++ core: bucket planner and gradient Reducer";
   m.attr("DEFAULT_FIRST_BUCKET_CAP_BYTES") = pyreducer::kDefaultFirstBucketCapBytes;
   m.attr("DEFAULT_BUCKET_CAP_BYTES") = pyreducer::kDefaultBucketCapBytes;
@@ -63,19 +97,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        const std::vector<std::vector<int64_t>>& initial_plan,
                        pyreducer::ProcessGroupPtr group, std::vector<int64_t> rebuild_caps_bytes,
                        bool find_unused_parameters, bool static_graph,
-                       bool gradient_as_bucket_view) {
+                       bool gradient_as_bucket_view, size_t timeline_iterations) {
              pyreducer::ReducerOptions options;
              options.rebuild_caps_bytes = std::move(rebuild_caps_bytes);
              options.find_unused_parameters = find_unused_parameters;
              options.static_graph = static_graph;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
+             options.timeline_iterations = timeline_iterations;
              return std::make_unique<Reducer>(std::move(params), std::move(param_names),
                                               initial_plan, std::move(group), std::move(options));
            }),
            py::arg("params"), py::arg("param_names"), py::arg("initial_plan"),
            py::arg("process_group"), py::arg("rebuild_caps_bytes"),
            py::arg("find_unused_parameters") = false, py::arg("static_graph") = false,
-           py::arg("gradient_as_bucket_view") = false)
+           py::arg("gradient_as_bucket_view") = false, py::arg("timeline_iterations") = 8)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("note_unsynced_forward", &Reducer::note_unsynced_forward)
@@ -83,6 +118,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("rebuild_buckets", &Reducer::rebuild_buckets, py::call_guard<py::gil_scoped_release>())
       .def("bucket_layout", &pyreducer::bucket_layout)
       .def("bucket_buffers", &Reducer::bucket_buffers)
+      .def("timeline", &pyreducer::timeline_records, py::arg("last"))
+      .def_static("now_ns", &pyreducer::Timeline::now_ns)
       .def_property_readonly("armed", &Reducer::armed)
       .def_property_readonly("world_size", &Reducer::world_size);
 }

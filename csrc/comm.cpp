@@ -1,17 +1,42 @@
 #include "comm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/record_function_ops.h>
+
+#include "timeline.h"
 
 #include <stdexcept>
 #include <vector>
 
 namespace pyreducer {
 
-WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat) {
+WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
+                            std::atomic<int64_t>* done_ns,
+                            const std::function<std::string()>& label) {
+  c10::intrusive_ptr<torch::autograd::profiler::PythonRecordFunction> range;
+  if (label && at::hasCallbacks()) {
+    range = torch::autograd::profiler::record_function_enter_new(label());
+  }
   std::vector<at::Tensor> tensors{flat};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
-  return group->allreduce(tensors, options);
+  WorkPtr work = group->allreduce(tensors, options);
+  if (done_ns != nullptr || range) {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    try {
+      future = work->getFuture();
+    } catch (const std::exception&) {
+      return work;  // this backend has no futures: completion is known only from wait()
+    }
+    if (done_ns != nullptr) {
+      future->addCallback([done_ns](c10::ivalue::Future& /*unused*/) {
+        done_ns->store(Timeline::now_ns(), std::memory_order_release);
+      });
+    }
+    if (range) torch::autograd::profiler::_call_end_callbacks_on_fut_new(range, future);
+  }
+  return work;
 }
 
 void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values, int64_t root) {

@@ -1,6 +1,8 @@
 // The only code that talks to c10d::ProcessGroup and c10d::Work.
 #pragma once
 
+#include <atomic>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -15,7 +17,12 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 // Launches an asynchronous SUM all-reduce of `flat` on `group` and returns its work handle at
 // once. Every rank must call it for the same buckets in the same order. Any thread.
-WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat);
+// If `done_ns` is given, the completion time (Timeline::now_ns) is stored there from the
+// communication thread when the work's future completes. If a torch profiler is active, a range
+// named `label` spans launch to completion (`label` is only built then).
+WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
+                            std::atomic<int64_t>* done_ns = nullptr,
+                            const std::function<std::string()>& label = {});
 
 // Overwrites `values` on every rank with rank `root`'s (same length on every rank). Blocking,
 // bounded by the process group's timeout. Python thread.

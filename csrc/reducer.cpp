@@ -63,7 +63,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
       locally_used_(params_.size(), 0),
       globally_unused_(params_.size(), 0),
       hook_counts_(params_.size(), 0),
-      countdown_(params_.size(), 0) {
+      countdown_(params_.size(), 0),
+      timeline_(options_.timeline_iterations, params_.size()) {
   if (param_names_.size() != params_.size()) {
     throw std::invalid_argument("Reducer: expected one name per parameter (" +
                                 std::to_string(params_.size()) + "), got " +
@@ -78,6 +79,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
   world_size_ = group_->getSize();
   grad_scale_ = 1.0 / static_cast<double>(world_size_);
   set_ = make_buckets(params_, param_names_, initial_plan);
+  plan_history_.push_back(initial_plan);
   adopt_grads_into_buckets();
   rebuild_pending_ = !options_.rebuild_caps_bytes.empty();
   ready_order_.reserve(params_.size());
@@ -200,6 +202,7 @@ bool Reducer::rebuild_buckets() {
     plan.push_back(std::move(spec.param_indices));
   }
   set_ = make_buckets(params_, param_names_, plan);
+  plan_history_.push_back(plan);
   adopt_grads_into_buckets();  // see Note [Bucket rebuild]
   rebuild_pending_ = false;
   ready_order_.clear();
@@ -227,6 +230,8 @@ void Reducer::on_backward_start() {
 void Reducer::begin_backward() {
   if (backward_started_) return;
   backward_started_ = true;
+  record_ = timeline_.begin(num_iterations_, static_cast<int64_t>(plan_history_.size()) - 1,
+                            set_.buckets.size(), Timeline::now_ns());
   if (!finalize_queued_) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
     finalize_queued_ = true;
@@ -302,6 +307,7 @@ void Reducer::mark_ready(size_t index) {
 
   ready_[index] = 1;
   num_ready_ += 1;
+  if (record_) record_->grad_ready_ns[index] = Timeline::now_ns();
   if (rebuild_pending_ && !ready_order_complete_ && !static_first_iteration()) {
     ready_order_.push_back(static_cast<int64_t>(index));
   }
@@ -315,13 +321,24 @@ void Reducer::mark_ready(size_t index) {
     if (options_.gradient_as_bucket_view) grad = slot;
   }
   bucket.pending -= 1;
-  if (bucket.pending == 0 && location.bucket == next_bucket_) launch_ready_buckets();
+  if (bucket.pending == 0) {
+    if (record_) record_->bucket_ready_ns[location.bucket] = Timeline::now_ns();
+    if (location.bucket == next_bucket_) launch_ready_buckets();
+  }
 }
 
 void Reducer::launch_ready_buckets() {
   while (next_bucket_ < set_.buckets.size() && set_.buckets[next_bucket_].pending == 0) {
     Bucket& bucket = set_.buckets[next_bucket_];
-    bucket.work = allreduce_sum_async(group_, bucket.flat);
+    const size_t b = next_bucket_;
+    std::atomic<int64_t>* done = nullptr;
+    if (record_) {
+      record_->bucket_launch_ns[b] = Timeline::now_ns();
+      done = &record_->bucket_done_ns[b];
+    }
+    bucket.work = allreduce_sum_async(group_, bucket.flat, done, [b] {
+      return "pyreducer.allreduce.bucket_" + std::to_string(b);
+    });
     next_bucket_ += 1;
   }
   if (next_bucket_ == set_.buckets.size() && dynamic_find_unused()) launch_used_map_allreduce();
@@ -347,6 +364,7 @@ std::string Reducer::describe_unready(size_t max_names) const {
 
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (record_) record_->backward_end_ns = Timeline::now_ns();
   if (static_first_iteration()) {
     // See Note [Unused parameters]: reduce everything now, in parameter order.
     unused_.clear();
@@ -375,13 +393,19 @@ void Reducer::finalize_backward() {
     ready_order_complete_ = true;
   }
   finalized_since_forward_ = true;
+  if (record_) {
+    record_->finalize_end_ns = Timeline::now_ns();
+    record_->complete = true;
+  }
   reset_iteration();
 }
 
 void Reducer::wait_and_copy_out() {
+  if (record_) record_->wait_start_ns = Timeline::now_ns();
   for (size_t b = 0; b < set_.buckets.size(); ++b) {
     wait_or_throw(set_.buckets[b].work, group_, "all-reduce of bucket " + std::to_string(b));
   }
+  if (record_) record_->wait_end_ns = Timeline::now_ns();
   if (used_map_work_) {
     wait_or_throw(used_map_work_, group_, "all-reduce of the used-parameter map");
     used_map_work_.reset();
@@ -420,6 +444,7 @@ void Reducer::adopt_grads_into_buckets() {
 }
 
 void Reducer::reset_iteration() {
+  record_ = nullptr;
   armed_ = false;
   finalize_queued_ = false;
   backward_started_ = false;

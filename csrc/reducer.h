@@ -44,6 +44,7 @@
 
 #include "bucket.h"
 #include "comm.h"
+#include "timeline.h"
 
 namespace torch::autograd {
 struct Node;
@@ -57,6 +58,8 @@ struct ReducerOptions {
   bool gradient_as_bucket_view = false;  // param.grad aliases its bucket slot
   // Caps for the one rebuild (see assign_buckets); empty = never rebuild.
   std::vector<int64_t> rebuild_caps_bytes;
+  // Iterations kept by the timeline (see Note [Timeline]); 0 = no recording.
+  size_t timeline_iterations = 8;
 };
 
 class Reducer {
@@ -106,6 +109,14 @@ class Reducer {
   int64_t world_size() const { return world_size_; }
   bool armed() const;
 
+  // Calls fn(records, plan_history) under the Reducer's lock: the last `last` completed
+  // iteration records, oldest first, and every bucket plan so far (index = plan_version).
+  template <typename Fn>
+  auto with_timeline(size_t last, Fn&& fn) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return fn(timeline_.completed(last), plan_history_);
+  }
+
  private:
   // All private methods require mutex_.
   bool dynamic_find_unused() const { return options_.find_unused_parameters && !options_.static_graph; }
@@ -153,6 +164,11 @@ class Reducer {
   std::vector<uint8_t> globally_unused_;
   std::vector<int64_t> hook_counts_;    // static graph: hook firings in the first iteration
   std::vector<int64_t> countdown_;      // static graph: firings still expected this iteration
+
+  // Timeline (see Note [Timeline]).
+  Timeline timeline_;
+  IterationRecord* record_ = nullptr;  // this iteration's, while one is being recorded
+  std::vector<std::vector<std::vector<int64_t>>> plan_history_;  // [plan_version] -> plan
 
   // Bucket rebuild (see Note [Bucket rebuild]).
   bool rebuild_pending_ = false;

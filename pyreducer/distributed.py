@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from pyreducer import bucketing, sync
+from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.join import ReducerJoinHook, find_common_rank, vote_backward_sync
 
@@ -44,6 +45,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         bucket_plan: replay a saved bucket plan exactly (a JSON path from save_bucket_plan(),
             the list bucket_plan() returns, or lists of parameter names; launch order). The
             plan must be the same on every rank (checked) and is never rebuilt.
+        timeline_iterations: how many synced iterations the per-bucket timeline keeps (see
+            timeline()); 0 turns recording off.
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
@@ -53,7 +56,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                  delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
-                 *, bucket_plan=None):
+                 *, bucket_plan=None, timeline_iterations=8):
         super().__init__()
         Joinable.__init__(self)
         given = dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
@@ -116,7 +119,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                                   self.bucket_caps_bytes if rebuild else [],
                                   find_unused_parameters=find_unused_parameters,
                                   static_graph=static_graph,
-                                  gradient_as_bucket_view=gradient_as_bucket_view)
+                                  gradient_as_bucket_view=gradient_as_bucket_view,
+                                  timeline_iterations=timeline_iterations)
 
     # -- DDP's forward ---------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -175,6 +179,16 @@ class DistributedDataParallel(nn.Module, Joinable):
                              device=str(params[names[0]].device),
                              size_bytes=bucket["size_bytes"]))
         return plan
+
+    def timeline(self, last: int = 1) -> list[dict]:
+        """The last `last` synced iterations' events on this rank (fields: pyreducer.timeline)."""
+        return timeline_module.records(self, last)
+
+    def overlap_stats(self, last: int | None = None) -> dict:
+        """Overlap of communication with backward, per iteration and averaged, from the
+        recorded timeline (definitions: pyreducer.timeline)."""
+        return timeline_module.overlap_stats(
+            self.timeline(last if last is not None else 1 << 30))
 
     def save_bucket_plan(self, path) -> None:
         """Writes bucket_plan() as JSON; pass the path as bucket_plan= to replay it."""

@@ -24,7 +24,7 @@ def _params(fn):
 
 
 # pyreducer's own arguments: keyword-only, after all of DDP's.
-EXTRAS = ["bucket_plan"]
+EXTRAS = ["bucket_plan", "timeline_iterations"]
 
 
 def test_same_arguments_order_and_defaults_as_installed_torch():

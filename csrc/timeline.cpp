@@ -1,0 +1,49 @@
+#include "timeline.h"
+
+#include <algorithm>
+
+namespace pyreducer {
+
+Timeline::Timeline(size_t capacity, size_t num_params) : slots_(capacity) {
+  for (IterationRecord& slot : slots_) {
+    slot.grad_ready_ns.assign(num_params, 0);
+    slot.bucket_ready_ns.assign(num_params, 0);
+    slot.bucket_launch_ns.assign(num_params, 0);
+    slot.bucket_done_ns = std::make_unique<std::atomic<int64_t>[]>(num_params);
+  }
+}
+
+IterationRecord* Timeline::begin(int64_t iteration, int64_t plan_version, size_t num_buckets,
+                                 int64_t start_ns) {
+  if (slots_.empty()) return nullptr;
+  IterationRecord& slot = slots_[next_];
+  next_ = (next_ + 1) % slots_.size();
+  slot.iteration = iteration;
+  slot.plan_version = plan_version;
+  slot.complete = false;
+  slot.backward_start_ns = start_ns;
+  slot.backward_end_ns = slot.wait_start_ns = slot.wait_end_ns = slot.finalize_end_ns = 0;
+  slot.num_buckets = num_buckets;
+  std::fill(slot.grad_ready_ns.begin(), slot.grad_ready_ns.end(), 0);
+  std::fill(slot.bucket_ready_ns.begin(), slot.bucket_ready_ns.end(), 0);
+  std::fill(slot.bucket_launch_ns.begin(), slot.bucket_launch_ns.end(), 0);
+  for (size_t b = 0; b < slot.grad_ready_ns.size(); ++b) {
+    slot.bucket_done_ns[b].store(0, std::memory_order_relaxed);
+  }
+  return &slot;
+}
+
+std::vector<const IterationRecord*> Timeline::completed(size_t last) const {
+  std::vector<const IterationRecord*> records;
+  for (const IterationRecord& slot : slots_) {
+    if (slot.complete) records.push_back(&slot);
+  }
+  std::sort(records.begin(), records.end(),
+            [](const IterationRecord* a, const IterationRecord* b) {
+              return a->iteration < b->iteration;
+            });
+  if (records.size() > last) records.erase(records.begin(), records.end() - last);
+  return records;
+}
+
+}  // namespace pyreducer

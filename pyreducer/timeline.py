@@ -1,0 +1,106 @@
+"""The Reducer's per-iteration timeline as Python data, and overlap statistics.
+
+`model.timeline(last=1)` returns one dict per recorded synced iteration (oldest first):
+
+    iteration          synced iteration number (1-based) on this rank
+    rank               this rank in the model's process group
+    backward_start_ns  outer backward began (the output sink's backward ran)
+    backward_end_ns    autograd's compute ended (the end-of-backward callback started)
+    wait_start_ns, wait_end_ns   the final wait for all buckets
+    finalize_end_ns    averaged gradients written into param.grad
+    grads              [{"name", "ready_ns"}] per parameter, parameter order (0: no gradient)
+    buckets            [{"index", "params", "size_bytes", "ready_ns", "launch_ns", "done_ns"}]
+                       in launch order: last gradient in, all-reduce issued, all-reduce
+                       completed (from the work's future, on the communication thread)
+
+All times are nanoseconds on this host's monotonic clock (time.monotonic_ns's clock).
+
+`model.overlap_stats()` derives, per iteration and averaged (milliseconds):
+
+    backward_ms        backward_end - backward_start: autograd's compute, hooks included
+    comm_ms            per bucket, done - launch (includes queueing behind earlier buckets)
+    comm_busy_ms       length of the union of all [launch, done] intervals
+    hidden_comm_ms     the part of that union inside [backward_start, backward_end]
+    exposed_comm_ms    max(0, last done - backward_end): communication left after compute
+    overlap_fraction   hidden_comm_ms / comm_busy_ms (1.0: all communication hidden)
+    wait_ms            wait_end - wait_start: what the final wait actually blocked
+    last_bucket_bound_ms  the last bucket's own all-reduce time, done_last -
+                       max(launch_last, done of the bucket before): no schedule can expose less
+                       than this, since that bucket cannot start before its last gradient
+"""
+from __future__ import annotations
+
+import statistics
+
+
+def records(model, last: int = 1) -> list[dict]:
+    """See the module docstring. `model` is a pyreducer DistributedDataParallel."""
+    import torch.distributed as dist
+
+    names = model._param_names
+    sizes = [p.numel() * p.element_size() for p in model._params]
+    rank = dist.get_rank(model.process_group)
+    result = []
+    for raw in model.reducer.timeline(last):
+        buckets = [dict(index=b, params=[names[i] for i in bucket["param_indices"]],
+                        size_bytes=sum(sizes[i] for i in bucket["param_indices"]),
+                        ready_ns=bucket["ready_ns"], launch_ns=bucket["launch_ns"],
+                        done_ns=bucket["done_ns"])
+                   for b, bucket in enumerate(raw["buckets"])]
+        result.append(dict(
+            iteration=raw["iteration"], rank=rank,
+            backward_start_ns=raw["backward_start_ns"], backward_end_ns=raw["backward_end_ns"],
+            wait_start_ns=raw["wait_start_ns"], wait_end_ns=raw["wait_end_ns"],
+            finalize_end_ns=raw["finalize_end_ns"],
+            grads=[dict(name=n, ready_ns=t) for n, t in zip(names, raw["grad_ready_ns"])],
+            buckets=buckets))
+    return result
+
+
+def _union_length(intervals) -> int:
+    total, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def _clip(intervals, low, high):
+    return [(max(a, low), min(b, high)) for a, b in intervals if min(b, high) > max(a, low)]
+
+
+def iteration_stats(record: dict) -> dict:
+    """Overlap statistics of one timeline record (definitions in the module docstring)."""
+    ms = 1e-6
+    start, end = record["backward_start_ns"], record["backward_end_ns"]
+    buckets = record["buckets"]
+    spans = [(b["launch_ns"], b["done_ns"]) for b in buckets]
+    busy = _union_length(spans)
+    hidden = _union_length(_clip(spans, start, end))
+    last_done = max(done for _, done in spans)
+    previous_done = buckets[-2]["done_ns"] if len(buckets) > 1 else 0
+    last_service = last_done - max(buckets[-1]["launch_ns"], previous_done)
+    return dict(
+        iteration=record["iteration"], rank=record["rank"],
+        backward_ms=(end - start) * ms,
+        comm_ms=[(done - launch) * ms for launch, done in spans],
+        comm_busy_ms=busy * ms, hidden_comm_ms=hidden * ms,
+        exposed_comm_ms=max(0, last_done - end) * ms,
+        overlap_fraction=hidden / busy if busy > 0 else 1.0,
+        wait_ms=(record["wait_end_ns"] - record["wait_start_ns"]) * ms,
+        last_bucket_bound_ms=max(0, last_service) * ms,
+        num_buckets=len(buckets))
+
+
+def overlap_stats(timeline: list[dict]) -> dict:
+    """{"iterations": [per-iteration stats], "mean": {scalar stats averaged}}."""
+    per_iteration = [iteration_stats(r) for r in timeline]
+    scalars = ["backward_ms", "comm_busy_ms", "hidden_comm_ms", "exposed_comm_ms",
+               "overlap_fraction", "wait_ms", "last_bucket_bound_ms"]
+    mean = {k: statistics.fmean(s[k] for s in per_iteration) for k in scalars} \
+        if per_iteration else {}
+    return dict(iterations=per_iteration, mean=mean)

@@ -23,12 +23,16 @@ def _step(model, spec, opt, batch) -> tuple[float, float]:
 
 
 def compare_worker(rank, world_size, model_name, steps, warmup, batch_size, bucket_cap_mb,
-                   print_progress=False):
+                   print_progress=False, keep_timeline=0):
     """Runs warmup + steps interleaved steps of both wrappers; returns per-step losses and times.
 
     Result (per rank): {"torch": {"loss": [...], "seconds": [...]}, "pyreducer": {...},
-    "max_param_diff": float, "params": [final pyreducer parameters]}; timing lists exclude warm-up.
+    "max_param_diff": float, "params": [final pyreducer parameters], "timelines": pyreducer's
+    gathered timelines of the last keep_timeline iterations (rank 0 only)}; timing lists exclude
+    warm-up.
     """
+    from pyreducer.trace import gather_timelines
+
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel, models
@@ -58,6 +62,8 @@ def compare_worker(rank, world_size, model_name, steps, warmup, batch_size, buck
     pairs = zip(wrapped["torch"].module.parameters(), wrapped["pyreducer"].module.parameters())
     out["max_param_diff"] = max((a - b).abs().max().item() for a, b in pairs)
     out["params"] = [p.detach().clone() for p in wrapped["pyreducer"].module.parameters()]
+    out["timelines"] = gather_timelines(wrapped["pyreducer"], keep_timeline) \
+        if keep_timeline else None
     return out
 
 

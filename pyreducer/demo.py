@@ -6,16 +6,17 @@ from __future__ import annotations
 import torch
 
 from pyreducer.bench import compare_worker, summarize
+from pyreducer.report import write_report
 from pyreducer.testing import run_ranks
 
 
 def main(nproc: int = 2, steps: int = 20, warmup: int = 3, model: str = "demo",
-         bucket_cap_mb: float | None = None) -> int:
+         bucket_cap_mb: float | None = None, out: str = "run/demo") -> int:
     print(f"pyreducer demo: {nproc} Gloo ranks on this machine, model '{model}', "
           f"{warmup} warm-up + {steps} steps, torch {torch.__version__}")
     print("per-step loss and time on rank 0 (torch DDP | pyreducer):", flush=True)
     results = run_ranks(compare_worker, nproc, timeout_s=600,
-                        args=(model, steps, warmup, 32, bucket_cap_mb, True))
+                        args=(model, steps, warmup, 32, bucket_cap_mb, True, 5))
     worst = max(r["max_param_diff"] for r in results)
     identical = all(all(torch.equal(a, b) for a, b in zip(results[0]["params"], r["params"]))
                     for r in results[1:])
@@ -28,4 +29,10 @@ def main(nproc: int = 2, steps: int = 20, warmup: int = 3, model: str = "demo",
           f"parameters bitwise identical across ranks: {identical}")
     print(f"median step time on rank 0: torch DDP {theirs['median_ms']:.1f} ms, "
           f"pyreducer {ours['median_ms']:.1f} ms, ratio pyreducer / torch DDP = {ratio:.3f}")
+    report = write_report(results[0]["timelines"], out)
+    print()
+    print(report["summary"])
+    print(f"timeline of pyreducer's last 5 steps on every rank: {report['paths']['trace.json']} "
+          f"(open in https://ui.perfetto.dev or chrome://tracing), plots "
+          f"{report['paths']['gantt.png']} and {report['paths']['overlap.png']}")
     return 0 if worst <= 1e-6 and identical else 1

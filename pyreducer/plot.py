@@ -1,0 +1,72 @@
+"""PNG plots of the timeline (matplotlib, Agg backend: no display needed).
+
+    gantt(timelines, "gantt.png")           one iteration, a row per rank: backward compute vs
+                                            each bucket's all-reduce, ready markers
+    exposed_vs_hidden(timelines, "bars.png") per bucket, how much of its all-reduce ran during
+                                            backward (hidden) and after it (exposed), mean over
+                                            the recorded iterations of rank 0
+`timelines` is one list of timeline records per rank, as pyreducer.trace.gather_timelines gives.
+"""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def gantt(timelines: list[list[dict]], path, iteration: int | None = None) -> str:
+    records = [tl[-1] if iteration is None else next(r for r in tl if r["iteration"] == iteration)
+               for tl in timelines]
+    origin = min(r["backward_start_ns"] for r in records)
+    rows = sum(1 + len(r["buckets"]) for r in records)
+    fig, ax = plt.subplots(figsize=(11, 0.35 * rows + 1.5))
+    y, labels = 0, []
+    for rank, r in enumerate(records):
+        def ms(ns):
+            return (ns - origin) / 1e6
+        ax.barh(y, ms(r["backward_end_ns"]) - ms(r["backward_start_ns"]),
+                left=ms(r["backward_start_ns"]), color="tab:blue", height=0.7)
+        labels.append(f"rank {rank} backward")
+        y += 1
+        for b in r["buckets"]:
+            ax.barh(y, ms(b["done_ns"]) - ms(b["launch_ns"]), left=ms(b["launch_ns"]),
+                    color="tab:orange", height=0.7)
+            ax.plot([ms(b["ready_ns"])], [y], marker="|", color="black", markersize=10)
+            labels.append(f"rank {rank} bucket {b['index']} ({b['size_bytes'] / 2**20:.1f} MiB)")
+            y += 1
+        ax.axvline(ms(r["backward_end_ns"]), color="tab:blue", linestyle=":", linewidth=0.8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the earliest backward start (clocks aligned to rank 0)")
+    ax.set_title(f"iteration {records[0]['iteration']}: backward compute (blue) vs bucket "
+                 f"all-reduce (orange, | = last gradient in)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def exposed_vs_hidden(timelines: list[list[dict]], path) -> str:
+    records = timelines[0]
+    count = max(len(r["buckets"]) for r in records)
+    hidden, exposed = [0.0] * count, [0.0] * count
+    for r in records:
+        end = r["backward_end_ns"]
+        for b in r["buckets"]:
+            span_h = max(0, min(b["done_ns"], end) - b["launch_ns"])
+            span_e = max(0, b["done_ns"] - max(b["launch_ns"], end))
+            hidden[b["index"]] += span_h / 1e6 / len(records)
+            exposed[b["index"]] += span_e / 1e6 / len(records)
+    fig, ax = plt.subplots(figsize=(max(5, 0.5 * count + 2), 4))
+    xs = range(count)
+    ax.bar(xs, hidden, color="tab:green", label="hidden (during backward)")
+    ax.bar(xs, exposed, bottom=hidden, color="tab:red", label="exposed (after backward)")
+    ax.set_xlabel("bucket (launch order)")
+    ax.set_ylabel("ms in flight per iteration (mean)")
+    ax.set_title(f"rank 0, {len(records)} iterations")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)

@@ -91,6 +91,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group_keys"), py::arg("walk_order"), py::arg("caps_bytes"),
         "Partition parameters into buckets; see csrc/bucketing.h.");
   m.def("reverse_order", &pyreducer::reverse_order, py::arg("num_params"));
+  m.def("measure_recording_cost_ns", &pyreducer::measure_recording_cost_ns,
+        py::arg("num_params"), py::arg("num_buckets"), py::arg("iterations"),
+        "Diagnostic: ns per iteration that timeline recording costs (see csrc/timeline.h).");
 
   py::class_<Reducer>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> param_names,

@@ -22,27 +22,32 @@ def _step(model, spec, opt, batch) -> tuple[float, float]:
     return loss.item(), time.perf_counter() - start
 
 
+DEFAULT_VARIANTS = (("torch", "torch", {}), ("pyreducer", "pyreducer", {}))
+
+
 def compare_worker(rank, world_size, model_name, steps, warmup, batch_size, bucket_cap_mb,
-                   print_progress=False, keep_timeline=0):
-    """Runs warmup + steps interleaved steps of both wrappers; returns per-step losses and times.
+                   print_progress=False, keep_timeline=0, variants=DEFAULT_VARIANTS):
+    """Runs warmup + steps interleaved steps of every variant; returns per-step losses and times.
 
-    Result (per rank): {"torch": {"loss": [...], "seconds": [...]}, "pyreducer": {...},
-    "max_param_diff": float, "params": [final pyreducer parameters], "timelines": pyreducer's
-    gathered timelines of the last keep_timeline iterations (rank 0 only)}; timing lists exclude
-    warm-up.
+    Args:
+        variants: (label, "torch" | "pyreducer", extra wrapper kwargs) per variant; the first
+            is the reference the others' parameters are compared with.
+    Result (per rank): {label: {"loss": [...], "seconds": [...]}, ..., "max_param_diff": max
+    over variants of |variant - reference|, "params": [final parameters of the last variant],
+    "timelines": the last pyreducer variant's gathered timelines of the last keep_timeline
+    iterations (rank 0 only)}; timing lists exclude warm-up.
     """
-    from pyreducer.trace import gather_timelines
-
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel, models
+    from pyreducer.trace import gather_timelines
 
+    classes = {"torch": TorchDDP, "pyreducer": DistributedDataParallel}
     spec = models.spec(model_name)
     torch.manual_seed(1234)
     base = spec.build()
-    wrapped = {"torch": TorchDDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb),
-               "pyreducer": DistributedDataParallel(copy.deepcopy(base),
-                                                    bucket_cap_mb=bucket_cap_mb)}
+    wrapped = {label: classes[kind](copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb, **kwargs)
+               for label, kind, kwargs in variants}
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in wrapped.items()}
     gens = {k: torch.Generator().manual_seed(100 + rank) for k in wrapped}
     out = {k: {"loss": [], "seconds": []} for k in wrapped}
@@ -59,11 +64,15 @@ def compare_worker(rank, world_size, model_name, steps, warmup, batch_size, buck
         if print_progress and rank == 0:
             tag = "warm-up" if step < warmup else f"step {step - warmup + 1:3d}/{steps}"
             print(f"  [{tag}] " + " | ".join(line), flush=True)
-    pairs = zip(wrapped["torch"].module.parameters(), wrapped["pyreducer"].module.parameters())
-    out["max_param_diff"] = max((a - b).abs().max().item() for a, b in pairs)
-    out["params"] = [p.detach().clone() for p in wrapped["pyreducer"].module.parameters()]
-    out["timelines"] = gather_timelines(wrapped["pyreducer"], keep_timeline) \
-        if keep_timeline else None
+    reference = list(wrapped.values())[0].module.parameters()
+    reference = [p.detach() for p in reference]
+    out["max_param_diff"] = max((a - b.detach()).abs().max().item()
+                                for m in list(wrapped.values())[1:]
+                                for a, b in zip(reference, m.module.parameters()))
+    out["params"] = [p.detach().clone() for p in list(wrapped.values())[-1].module.parameters()]
+    ours = [m for (label, kind, _), m in zip(variants, wrapped.values()) if kind == "pyreducer"]
+    out["timelines"] = gather_timelines(ours[-1], keep_timeline) if keep_timeline else None
+    out["plan"] = ours[-1].bucket_plan()
     return out
 
 

@@ -1,8 +1,10 @@
 // The only pybind11 file: exposes the C++ core as pyreducer._C.
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
 
 #include "bucketing.h"
+#include "comm_hook.h"
 #include "reducer.h"
 
 namespace py = pybind11;
@@ -45,6 +47,53 @@ py::list bucket_layout(const Reducer& reducer) {
   }
   return result;
 }
+
+// torch DDP's GradBucket interface, for Python communication hooks.
+struct PyGradBucket {
+  GradBucketView view;
+  at::Tensor buffer() const { return view.buffer; }
+  void set_buffer(const at::Tensor& tensor) { view.buffer = tensor; }
+};
+
+// A Python hook(state, bucket) -> torch.futures.Future[Tensor]; see Note [Communication hooks].
+class PythonCommHook : public CommHook {
+ public:
+  PythonCommHook(py::object state, py::object hook)
+      : state_(std::move(state)), hook_(std::move(hook)) {
+    name_ = py::str(py::getattr(hook_, "__qualname__", py::repr(hook_)));
+  }
+  ~PythonCommHook() override {
+    py::gil_scoped_acquire gil;
+    state_ = py::object();
+    hook_ = py::object();
+  }
+  FuturePtr run(GradBucketView& bucket) override {
+    py::gil_scoped_acquire gil;
+    try {
+      py::object result = hook_(state_, PyGradBucket{bucket});
+      return result.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+    } catch (py::error_already_set& error) {
+      throw std::runtime_error("pyreducer: communication hook " + name_ + " raised for bucket " +
+                               std::to_string(bucket.index) + ": " + error.what());
+    } catch (py::cast_error&) {
+      throw std::runtime_error("pyreducer: communication hook " + name_ +
+                               " must return a torch.futures.Future, got something else");
+    }
+  }
+  at::Tensor parse_result(const c10::IValue& value) override {
+    if (!value.isPyObject()) return CommHook::parse_result(value);
+    py::gil_scoped_acquire gil;
+    py::object obj = torch::jit::toPyObject(value);
+    if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) obj = obj[py::int_(0)];
+    return obj.cast<at::Tensor>();
+  }
+  std::string name() const override { return name_; }
+
+ private:
+  py::object state_;
+  py::object hook_;
+  std::string name_;
+};
 
 // Completed iteration records as plain Python data (see Note [Timeline]); times in ns on the
 // monotonic clock, 0 where an event did not happen.
@@ -95,25 +144,56 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_params"), py::arg("num_buckets"), py::arg("iterations"),
         "Diagnostic: ns per iteration that timeline recording costs (see csrc/timeline.h).");
 
+  py::class_<pyreducer::PyGradBucket>(m, "GradBucket",
+                                      "A bucket as torch DDP's communication hooks see it.")
+      .def("index", [](const pyreducer::PyGradBucket& b) { return b.view.index; })
+      .def("is_last", [](const pyreducer::PyGradBucket& b) { return b.view.is_last; })
+      .def("buffer", &pyreducer::PyGradBucket::buffer)
+      .def("set_buffer", &pyreducer::PyGradBucket::set_buffer, py::arg("tensor"))
+      .def("gradients", [](const pyreducer::PyGradBucket& b) { return b.view.gradients; })
+      .def("parameters", [](const pyreducer::PyGradBucket& b) { return b.view.parameters; });
+
   py::class_<Reducer>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> param_names,
                        const std::vector<std::vector<int64_t>>& initial_plan,
                        pyreducer::ProcessGroupPtr group, std::vector<int64_t> rebuild_caps_bytes,
                        bool find_unused_parameters, bool static_graph,
-                       bool gradient_as_bucket_view, size_t timeline_iterations) {
+                       bool gradient_as_bucket_view, size_t timeline_iterations,
+                       bool batched_grad_copy) {
              pyreducer::ReducerOptions options;
              options.rebuild_caps_bytes = std::move(rebuild_caps_bytes);
              options.find_unused_parameters = find_unused_parameters;
              options.static_graph = static_graph;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.timeline_iterations = timeline_iterations;
+             options.batched_grad_copy = batched_grad_copy;
              return std::make_unique<Reducer>(std::move(params), std::move(param_names),
                                               initial_plan, std::move(group), std::move(options));
            }),
            py::arg("params"), py::arg("param_names"), py::arg("initial_plan"),
            py::arg("process_group"), py::arg("rebuild_caps_bytes"),
            py::arg("find_unused_parameters") = false, py::arg("static_graph") = false,
-           py::arg("gradient_as_bucket_view") = false, py::arg("timeline_iterations") = 8)
+           py::arg("gradient_as_bucket_view") = false, py::arg("timeline_iterations") = 8,
+           py::arg("batched_grad_copy") = false)
+      .def("register_comm_hook",
+           [](Reducer& reducer, py::object state, py::object hook) {
+             reducer.register_comm_hook(
+                 std::make_shared<pyreducer::PythonCommHook>(std::move(state), std::move(hook)));
+           })
+      .def("register_builtin_hook",
+           [](Reducer& reducer, pyreducer::ProcessGroupPtr group, const std::string& name) {
+             at::ScalarType dtype;
+             if (name == "fp16") {
+               dtype = at::kHalf;
+             } else if (name == "bf16") {
+               dtype = at::kBFloat16;
+             } else {
+               throw std::invalid_argument("unknown builtin hook '" + name +
+                                           "'; expected 'fp16' or 'bf16'");
+             }
+             reducer.register_comm_hook(
+                 std::make_shared<pyreducer::CompressHook>(std::move(group), dtype));
+           })
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("note_unsynced_forward", &Reducer::note_unsynced_forward)

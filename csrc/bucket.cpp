@@ -62,6 +62,7 @@ BucketSet make_buckets(const std::vector<at::Tensor>& params,
     int64_t offset = 0;
     for (int64_t i : bucket.param_indices) {
       bucket.views.push_back(make_view(bucket.flat, params[i], offset));
+      bucket.offsets.push_back(offset);
       offset += params[i].numel();
     }
     bucket.pending = bucket.param_indices.size();

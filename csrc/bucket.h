@@ -6,6 +6,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 
 #include "comm.h"
 
@@ -15,9 +16,11 @@ struct Bucket {
   at::Tensor flat;                     // the bucket: one buffer, all-reduced as a whole
   std::vector<int64_t> param_indices;  // slot order
   std::vector<at::Tensor> views;       // views[k]: slot of param_indices[k], shaped like it
+  std::vector<int64_t> offsets;        // offsets[k]: first element of views[k] in flat
   int64_t size_bytes = 0;
   size_t pending = 0;                  // slots not yet filled this iteration
-  WorkPtr work;                        // in-flight all-reduce, null when not launched
+  WorkPtr work;                        // in-flight all-reduce (no hook), null when not launched
+  c10::intrusive_ptr<c10::ivalue::Future> future;  // in-flight hook result (with a hook)
 };
 
 struct SlotLocation {

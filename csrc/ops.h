@@ -1,19 +1,46 @@
-// Stateless copy/scale kernels used by the Reducer's per-gradient path.
-// CPU implementations live in ops.cpp; they work on any device through ATen.
+// Stateless copy/scale/cast kernels of the Reducer (CPU here; CUDA in cuda/ops_cuda.cu).
+//
+// They are also registered as torch ops (namespace "pyreducer", see ops.cpp) so Python and
+// torch.library.opcheck can call them; the Reducer calls the C++ functions directly.
 #pragma once
+
+#include <cstdint>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
 namespace pyreducer {
 
 // Writes `grad * scale` into `slot` (same shape; strides may differ) in one pass.
-// The multiply uses a wrapped scalar, so it rounds exactly as torch DDP's copy-in does.
-// Called from the autograd hook thread; no allocation.
+// The multiply uses a wrapped scalar, so it rounds exactly as torch DDP's per-gradient copy-in.
+// Called from the autograd hook thread.
 void copy_scaled_into(at::Tensor& slot, const at::Tensor& grad, double scale);
 
 // Writes the reduced `slot` back into `grad`; if `grad` is undefined, makes it a copy of `slot`
 // laid out like `param` (dense, same strides), as AccumulateGrad would have.
-// Called from the end-of-backward callback.
 void copy_out_of_slot(at::Tensor& grad, const at::Tensor& slot, const at::Tensor& param);
+
+// Fused copy-in of a whole bucket: flat[offsets[k] : offsets[k] + grads[k].numel()] =
+// grads[k] / divisor, for every k, in one pass (the division rounds as torch DDP's batched copy
+// does: copy, then divide). `flat` is 1-D contiguous; grads match its dtype and device and may
+// be non-contiguous (channels-last included). Dispatches on the device (CPU: parallel over
+// tensors; CUDA: one launch).
+void bucket_copy_in(at::Tensor& flat, const std::vector<at::Tensor>& grads,
+                    const std::vector<int64_t>& offsets, double divisor);
+
+// Fused copy-out: grads[k] = flat[offsets[k] : ...] viewed in grads[k]'s shape.
+void bucket_copy_out(const at::Tensor& flat, std::vector<at::Tensor>& grads,
+                     const std::vector<int64_t>& offsets);
+
+// (src / divisor) cast to `dtype`, computed in src's precision before the cast, so large values
+// do not overflow float16. Returns a new contiguous 1-D tensor.
+at::Tensor cast_scaled(const at::Tensor& src, at::ScalarType dtype, double divisor);
+
+// Per-device implementations, registered by the files that define them.
+void bucket_copy_in_cpu(at::Tensor& flat, const std::vector<at::Tensor>& grads,
+                        const std::vector<int64_t>& offsets, double divisor);
+void bucket_copy_out_cpu(const at::Tensor& flat, std::vector<at::Tensor>& grads,
+                         const std::vector<int64_t>& offsets);
+at::Tensor cast_scaled_cpu(const at::Tensor& src, at::ScalarType dtype, double divisor);
 
 }  // namespace pyreducer

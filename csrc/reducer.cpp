@@ -209,6 +209,21 @@ bool Reducer::rebuild_buckets() {
   return true;
 }
 
+void Reducer::register_comm_hook(std::shared_ptr<CommHook> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (comm_hook_) {
+    throw std::runtime_error("pyreducer: a communication hook (" + comm_hook_->name() +
+                             ") is already registered; register_comm_hook can be called once");
+  }
+  if (num_iterations_ > 0) {
+    throw std::runtime_error("pyreducer: register_comm_hook must be called before the first "
+                             "synced forward (as in torch DDP); " +
+                             std::to_string(num_iterations_) + " iteration(s) already ran");
+  }
+  comm_hook_ = std::move(hook);
+  grad_scale_ = 1.0;  // the hook averages
+}
+
 void Reducer::complete_ready_order() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!rebuild_pending_ || ready_order_complete_) return;
@@ -312,36 +327,81 @@ void Reducer::mark_ready(size_t index) {
     ready_order_.push_back(static_cast<int64_t>(index));
   }
   at::NoGradGuard no_grad;
-  if (!grad.defined()) {
-    slot.zero_();
-  } else if (grad.is_alias_of(slot)) {
-    slot.div_(world_size_);  // bucket view, accumulated in place; divides as torch DDP does
-  } else {
-    copy_scaled_into(slot, grad, grad_scale_);
-    if (options_.gradient_as_bucket_view) grad = slot;
+  if (!options_.batched_grad_copy) {
+    if (!grad.defined()) {
+      slot.zero_();
+    } else if (grad.is_alias_of(slot)) {
+      if (!comm_hook_) slot.div_(world_size_);  // bucket view, accumulated in place: as DDP
+    } else {
+      copy_scaled_into(slot, grad, grad_scale_);
+      if (options_.gradient_as_bucket_view) grad = slot;
+    }
   }
   bucket.pending -= 1;
   if (bucket.pending == 0) {
+    if (options_.batched_grad_copy) copy_bucket_in(location.bucket);
     if (record_) record_->bucket_ready_ns[location.bucket] = Timeline::now_ns();
     if (location.bucket == next_bucket_) launch_ready_buckets();
   }
 }
 
+void Reducer::copy_bucket_in(size_t b) {
+  Bucket& bucket = set_.buckets[b];
+  std::vector<at::Tensor> grads;
+  std::vector<int64_t> offsets;
+  for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
+    at::Tensor& grad = params_[bucket.param_indices[k]].mutable_grad();
+    if (!grad.defined()) {
+      bucket.views[k].zero_();
+    } else if (grad.is_alias_of(bucket.views[k])) {
+      if (!comm_hook_) bucket.views[k].div_(world_size_);
+    } else {
+      grads.push_back(grad);
+      offsets.push_back(bucket.offsets[k]);
+    }
+  }
+  bucket_copy_in(bucket.flat, grads, offsets, comm_hook_ ? 1.0 : static_cast<double>(world_size_));
+  if (options_.gradient_as_bucket_view) {
+    for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
+      at::Tensor& grad = params_[bucket.param_indices[k]].mutable_grad();
+      if (grad.defined()) grad = bucket.views[k];
+    }
+  }
+}
+
 void Reducer::launch_ready_buckets() {
   while (next_bucket_ < set_.buckets.size() && set_.buckets[next_bucket_].pending == 0) {
-    Bucket& bucket = set_.buckets[next_bucket_];
-    const size_t b = next_bucket_;
-    std::atomic<int64_t>* done = nullptr;
-    if (record_) {
-      record_->bucket_launch_ns[b] = Timeline::now_ns();
-      done = &record_->bucket_done_ns[b];
-    }
-    bucket.work = allreduce_sum_async(group_, bucket.flat, done, [b] {
-      return "pyreducer.allreduce.bucket_" + std::to_string(b);
-    });
+    launch_bucket(next_bucket_);
     next_bucket_ += 1;
   }
   if (next_bucket_ == set_.buckets.size() && dynamic_find_unused()) launch_used_map_allreduce();
+}
+
+void Reducer::launch_bucket(size_t b) {
+  Bucket& bucket = set_.buckets[b];
+  std::atomic<int64_t>* done = nullptr;
+  if (record_) {
+    record_->bucket_launch_ns[b] = Timeline::now_ns();
+    done = &record_->bucket_done_ns[b];
+  }
+  if (!comm_hook_) {
+    bucket.work = allreduce_sum_async(group_, bucket.flat, done, [b] {
+      return "pyreducer.allreduce.bucket_" + std::to_string(b);
+    });
+    return;
+  }
+  GradBucketView view;
+  view.index = b;
+  view.is_last = b + 1 == set_.buckets.size();
+  view.buffer = bucket.flat;
+  view.gradients = bucket.views;
+  for (int64_t i : bucket.param_indices) view.parameters.push_back(params_[i]);
+  bucket.future = comm_hook_->run(view);
+  if (done != nullptr) {
+    bucket.future->addCallback([done](c10::ivalue::Future& /*unused*/) {
+      done->store(Timeline::now_ns(), std::memory_order_release);
+    });
+  }
 }
 
 void Reducer::launch_used_map_allreduce() {
@@ -403,7 +463,29 @@ void Reducer::finalize_backward() {
 void Reducer::wait_and_copy_out() {
   if (record_) record_->wait_start_ns = Timeline::now_ns();
   for (size_t b = 0; b < set_.buckets.size(); ++b) {
-    wait_or_throw(set_.buckets[b].work, group_, "all-reduce of bucket " + std::to_string(b));
+    Bucket& bucket = set_.buckets[b];
+    if (!bucket.future) {
+      wait_or_throw(bucket.work, group_, "all-reduce of bucket " + std::to_string(b));
+      continue;
+    }
+    bucket.future->wait();
+    if (bucket.future->hasError()) {
+      throw std::runtime_error("pyreducer: communication hook " + comm_hook_->name() +
+                               " failed for bucket " + std::to_string(b) + " on rank " +
+                               std::to_string(group_->getRank()) + ": " +
+                               bucket.future->tryRetrieveErrorMessage());
+    }
+    at::Tensor result = comm_hook_->parse_result(bucket.future->value());
+    if (!result.is_same(bucket.flat)) {
+      if (result.numel() != bucket.flat.numel()) {
+        throw std::runtime_error("pyreducer: communication hook " + comm_hook_->name() +
+                                 " returned " + std::to_string(result.numel()) +
+                                 " elements for bucket " + std::to_string(b) + ", expected " +
+                                 std::to_string(bucket.flat.numel()));
+      }
+      at::NoGradGuard no_grad;
+      bucket.flat.copy_(result.reshape({-1}));
+    }
   }
   if (record_) record_->wait_end_ns = Timeline::now_ns();
   if (used_map_work_) {
@@ -456,6 +538,7 @@ void Reducer::reset_iteration() {
   for (Bucket& bucket : set_.buckets) {
     bucket.pending = bucket.param_indices.size();
     bucket.work.reset();
+    bucket.future.reset();
   }
 }
 

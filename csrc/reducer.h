@@ -44,6 +44,7 @@
 
 #include "bucket.h"
 #include "comm.h"
+#include "comm_hook.h"
 #include "timeline.h"
 
 namespace torch::autograd {
@@ -58,6 +59,9 @@ struct ReducerOptions {
   bool gradient_as_bucket_view = false;  // param.grad aliases its bucket slot
   // Caps for the one rebuild (see assign_buckets); empty = never rebuild.
   std::vector<int64_t> rebuild_caps_bytes;
+  // Copy a bucket's gradients in one fused pass when its last gradient arrives (torch DDP's
+  // batched_grad_copy), instead of one copy per gradient as each arrives.
+  bool batched_grad_copy = false;
   // Iterations kept by the timeline (see Note [Timeline]); 0 = no recording.
   size_t timeline_iterations = 8;
 };
@@ -81,6 +85,10 @@ class Reducer {
   // forward with grad enabled and gradient sync on. Throws if the previous synced backward was
   // interrupted after it had launched collectives. Python thread.
   std::vector<at::Tensor> prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  // Installs a communication hook (see Note [Communication hooks]). Only before the first synced
+  // iteration, and once. Python thread.
+  void register_comm_hook(std::shared_ptr<CommHook> hook);
 
   // For a rank that shadows backward passes under join(): if no ready order was recorded yet,
   // takes parameter order, so this rank joins the next rebuild as the others do. Python thread.
@@ -125,6 +133,8 @@ class Reducer {
   void begin_backward();
   void mark_ready(size_t index);
   void launch_ready_buckets();
+  void launch_bucket(size_t b);
+  void copy_bucket_in(size_t b);  // batched_grad_copy: the whole bucket at once
   void launch_used_map_allreduce();
   void wait_and_copy_out();
   void adopt_grads_into_buckets();
@@ -140,6 +150,8 @@ class Reducer {
   ReducerOptions options_;
   int64_t world_size_ = 1;
   double grad_scale_ = 1.0;  // 1 / world_size
+
+  std::shared_ptr<CommHook> comm_hook_;  // null: SUM all-reduce with 1/world_size in copy-in
 
   // Hooks: the accumulators are kept alive here (a parameter holds only a weak reference).
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;

@@ -29,7 +29,6 @@ _NOT_YET = {
     "param_to_hook_all_reduce": None,
     "mixed_precision": None,
     "skip_all_reduce_unused_params": False,
-    "batched_grad_copy": False,
 }
 
 
@@ -62,8 +61,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         given = dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
                      param_to_hook_all_reduce=param_to_hook_all_reduce,
                      mixed_precision=mixed_precision,
-                     skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-                     batched_grad_copy=batched_grad_copy)
+                     skip_all_reduce_unused_params=skip_all_reduce_unused_params)
         for name, default in _NOT_YET.items():
             if given[name] != default:
                 raise NotImplementedError(
@@ -120,7 +118,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                                   find_unused_parameters=find_unused_parameters,
                                   static_graph=static_graph,
                                   gradient_as_bucket_view=gradient_as_bucket_view,
-                                  timeline_iterations=timeline_iterations)
+                                  timeline_iterations=timeline_iterations,
+                                  batched_grad_copy=batched_grad_copy)
 
     # -- DDP's forward ---------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -179,6 +178,27 @@ class DistributedDataParallel(nn.Module, Joinable):
                              device=str(params[names[0]].device),
                              size_bytes=bucket["size_bytes"]))
         return plan
+
+    # -- communication hooks ---------------------------------------------------------------------
+    def register_comm_hook(self, state: object, hook) -> None:
+        """torch DDP's interface: hook(state, bucket) -> torch.futures.Future[Tensor].
+
+        `bucket` offers buffer(), index(), is_last(), parameters(), gradients(), set_buffer();
+        the future's value is the reduced (averaged) bucket. Register before the first forward,
+        once. torch's hooks (torch.distributed.algorithms.ddp_comm_hooks) work unchanged. The
+        hook runs with the GIL for its own call; the rest of the path stays in C++.
+        """
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook expects a callable hook, got {type(hook)}")
+        self.reducer.register_comm_hook(state, hook)
+
+    def register_builtin_hook(self, name: str) -> None:
+        """A C++ communication hook, no Python per bucket: "fp16" or "bf16" compression.
+
+        The bucket is divided by the world size in its own precision, cast to float16/bfloat16,
+        all-reduced, and cast back (torch's Python fp16 hook casts first, then divides).
+        """
+        self.reducer.register_builtin_hook(self.process_group, name)
 
     def timeline(self, last: int = 1) -> list[dict]:
         """The last `last` synced iterations' events on this rank (fields: pyreducer.timeline)."""

@@ -112,6 +112,11 @@ SCENARIOS = {
     "bucket_view_no_sync_rebuild": dict(model="mlp", opt="sgd", micro=3, how="no_sync",
                                         set_to_none=False,
                                         ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=0.3)),
+    # batched_grad_copy: one fused copy per bucket (pyreducer::bucket_copy_in)
+    "batched_grad_copy": dict(model="cnn", opt="adam", ddp=dict(batched_grad_copy=True)),
+    "batched_grad_copy_views": dict(model="mlp", opt="sgd", micro=2, how="no_sync",
+                                    ddp=dict(batched_grad_copy=True, bucket_cap_mb=0.3,
+                                             gradient_as_bucket_view=True)),
     # mixed dtypes (float32 + float64 + bfloat16) and a frozen layer
     "mixed_dtypes_frozen": dict(model="mixed_dtypes", opt="sgd", ddp=dict(bucket_cap_mb=0.001)),
 }

@@ -13,10 +13,9 @@ from pyreducer import DistributedDataParallel
 SUPPORTED = ["module", "device_ids", "output_device", "dim", "broadcast_buffers", "init_sync",
              "process_group", "bucket_cap_mb", "check_reduction", "device_mesh",
              "bucket_cap_mb_list", "forward_sync_buffers", "find_unused_parameters",
-             "gradient_as_bucket_view", "static_graph"]
+             "gradient_as_bucket_view", "static_graph", "batched_grad_copy"]
 NOT_YET = {"delay_all_reduce_named_params": [], "param_to_hook_all_reduce": object(),
-           "mixed_precision": object(), "skip_all_reduce_unused_params": True,
-           "batched_grad_copy": True}
+           "mixed_precision": object(), "skip_all_reduce_unused_params": True}
 
 
 def _params(fn):

@@ -1,0 +1,47 @@
+#include "comm_hook.h"
+
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+
+#include "ops.h"
+
+namespace pyreducer {
+
+at::Tensor CommHook::parse_result(const c10::IValue& value) {
+  if (value.isTensor()) return value.toTensor();
+  if (value.isTensorList() && value.toTensorList().size() == 1) return value.toTensorList()[0];
+  if (value.isList() && value.toList().size() == 1 && value.toList().get(0).isTensor()) {
+    return value.toList().get(0).toTensor();
+  }
+  throw std::runtime_error("pyreducer: communication hook " + name() +
+                           " returned a future of " + value.tagKind() +
+                           "; expected a Future[Tensor] holding the reduced bucket");
+}
+
+CompressHook::CompressHook(ProcessGroupPtr group, at::ScalarType dtype)
+    : group_(std::move(group)), dtype_(dtype) {
+  if (dtype_ != at::kHalf && dtype_ != at::kBFloat16) {
+    throw std::invalid_argument(std::string("CompressHook: expected float16 or bfloat16, got ") +
+                                c10::toString(dtype_));
+  }
+}
+
+std::string CompressHook::name() const {
+  return std::string("builtin ") + (dtype_ == at::kHalf ? "fp16" : "bf16") + " compression";
+}
+
+FuturePtr CompressHook::run(GradBucketView& bucket) {
+  at::Tensor compressed = cast_scaled(bucket.buffer, dtype_, static_cast<double>(group_->getSize()));
+  WorkPtr work = allreduce_sum_async(group_, compressed);
+  at::Tensor buffer = bucket.buffer;
+  return work->getFuture()->then(
+      [buffer, compressed](c10::ivalue::Future& /*done*/) -> c10::IValue {
+        at::Tensor target = buffer;  // a handle to the same storage
+        target.copy_(compressed);    // decompress in place
+        return c10::IValue(buffer);
+      },
+      c10::TensorType::get());
+}
+
+}  // namespace pyreducer

@@ -1,0 +1,192 @@
+"""Communication hooks: torch's own hooks (torch.distributed.algorithms.ddp_comm_hooks) give the
+same parameters with pyreducer as with torch DDP; pyreducer's built-in C++ fp16/bf16 hooks match
+a plain-torch reference (torch's bf16 hook refuses to run without CUDA/NCCL); a Python hook runs
+no pyreducer Python code around it; misuse gives clear errors."""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+STEPS = 4
+
+
+def _torch_hook(name):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "allreduce":
+        return None, default_hooks.allreduce_hook
+    if name == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                        start_powerSGD_iter=2, random_seed=0)
+    return state, powerSGD_hook.powerSGD_hook
+
+
+def _train(model, spec, rank, steps=STEPS):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        spec.loss(model, spec.batch(gen, 8)).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def torch_hooks_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel, models
+
+    spec = models.spec("mlp")
+    torch.manual_seed(0)
+    base = spec.build()
+    out = {}
+    for name in ("allreduce", "fp16", "powerSGD"):
+        # PowerSGD blocks a Gloo worker thread in a future callback (a nested all-reduce's
+        # wait()): with two buckets in flight, torch DDP itself deadlocks on Gloo. One bucket.
+        cap = 1000 if name == "powerSGD" else 0.5
+        for key, cls in (("torch", TorchDDP), ("ours", DistributedDataParallel)):
+            model = cls(copy.deepcopy(base), bucket_cap_mb=cap)
+            model.register_comm_hook(*_torch_hook(name))
+            out[(name, key)] = _train(model, spec, rank)
+    out["no_hook"] = _train(DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.5), spec,
+                            rank)
+    return out
+
+
+def builtin_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from pyreducer import DistributedDataParallel, models
+
+    spec = models.spec("mlp")
+    torch.manual_seed(0)
+    base = spec.build()
+    out = {}
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.5)
+        model.register_builtin_hook(name)
+        out[name] = _train(model, spec, rank)
+        # plain-torch reference: divide in float32, cast, all-reduce, cast back
+        reference = copy.deepcopy(base)
+        opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(STEPS):
+            opt.zero_grad()
+            spec.loss(reference, spec.batch(gen, 8)).backward()
+            for p in reference.parameters():
+                compressed = (p.grad / world_size).to(dtype)
+                dist.all_reduce(compressed)
+                p.grad.copy_(compressed)
+            opt.step()
+        out[f"{name}_reference"] = [p.detach().clone() for p in reference.parameters()]
+    out["uncompressed"] = _train(DistributedDataParallel(copy.deepcopy(base)), spec, rank)
+    return out
+
+
+def hook_path_worker(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import pyreducer
+    from pyreducer import DistributedDataParallel, models
+
+    spec = models.spec("mlp")
+    model = DistributedDataParallel(spec.build(), bucket_cap_mb=0.3)
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        spec.loss(model, spec.batch(gen, 4)).backward()
+    calls.clear()
+    package_dir = os.path.dirname(pyreducer.__file__)
+    ours = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package_dir):
+            ours.append(frame.f_code.co_name)
+
+    loss = spec.loss(model, spec.batch(gen, 4))
+    sys.setprofile(profile)
+    try:
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+    errors = {}
+
+    def raising_hook(state, bucket):
+        raise ValueError("boom")
+
+    for key, hook, late in (("late", default_hooks.allreduce_hook, True),
+                            ("raises", raising_hook, False),
+                            ("not_future", lambda state, bucket: bucket.buffer(), False)):
+        m = DistributedDataParallel(spec.build())
+        try:
+            if late:
+                spec.loss(m, spec.batch(gen, 4)).backward()
+            m.register_comm_hook(None, hook)
+            spec.loss(m, spec.batch(gen, 4)).backward()
+            errors[key] = None
+        except (RuntimeError, ValueError) as error:
+            errors[key] = str(error)
+    return dict(calls=calls, python_calls=ours, num_buckets=len(model.bucket_plan()),
+                errors=errors)
+
+
+@pytest.fixture(scope="module")
+def torch_hooks(ranks_once):
+    return ranks_once(torch_hooks_worker, 2, ())
+
+
+@pytest.mark.parametrize("name", ["allreduce", "fp16", "powerSGD"])
+def test_torch_hooks_match_torch_ddp(torch_hooks, name):
+    for rank, r in enumerate(torch_hooks):
+        for ours, theirs in zip(r[(name, "ours")], r[(name, "torch")]):
+            assert (ours - theirs).abs().max().item() <= 1e-6, f"rank {rank}"
+
+
+def test_compressing_hooks_change_the_result(torch_hooks):
+    """Guards against hooks being ignored: fp16 and PowerSGD differ from no hook."""
+    for name in ("fp16", "powerSGD"):
+        diff = max((a - b).abs().max().item()
+                   for a, b in zip(torch_hooks[0][(name, "ours")], torch_hooks[0]["no_hook"]))
+        assert diff > 0, name
+
+
+@pytest.fixture(scope="module")
+def builtin(ranks_once):
+    return ranks_once(builtin_worker, 2, ())
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_builtin_hooks_match_plain_torch_reference(builtin, name):
+    for rank, r in enumerate(builtin):
+        for ours, ref, plain in zip(r[name], r[f"{name}_reference"], r["uncompressed"]):
+            assert torch.equal(ours, ref), f"rank {rank}"
+        assert any(not torch.equal(a, b) for a, b in zip(r[name], r["uncompressed"]))
+    assert all(torch.equal(a, b) for a, b in zip(builtin[0][name], builtin[1][name]))
+
+
+@pytest.fixture(scope="module")
+def hook_path(ranks_once):
+    return ranks_once(hook_path_worker, 2, ())
+
+
+def test_python_hook_runs_once_per_bucket_and_nothing_else(hook_path):
+    for r in hook_path:
+        assert sorted(r["calls"]) == list(range(r["num_buckets"])) and r["num_buckets"] > 1
+        assert r["python_calls"] == []
+
+
+@pytest.mark.parametrize("key,words", [("late", "before the first synced forward"),
+                                       ("raises", "raised for bucket 0"),
+                                       ("not_future", "must return a torch.futures.Future")])
+def test_hook_misuse_is_a_clear_error(hook_path, key, words):
+    message = hook_path[0]["errors"][key]
+    assert message is not None and words in message, message

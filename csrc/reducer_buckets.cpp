@@ -1,0 +1,196 @@
+// The Reducer's bucket I/O: plans, rebuild, copy-in, launch, wait and copy-out.
+// The iteration state machine that calls these lives in reducer.cpp (see Note [Reducer iteration]).
+#include "reducer.h"
+
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include "bucketing.h"
+#include "ops.h"
+
+namespace pyreducer {
+
+std::vector<std::vector<int64_t>> Reducer::plan() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::vector<int64_t>> result;
+  for (const Bucket& bucket : set_.buckets) result.push_back(bucket.param_indices);
+  return result;
+}
+
+std::vector<int64_t> Reducer::bucket_sizes_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> result;
+  for (const Bucket& bucket : set_.buckets) result.push_back(bucket.size_bytes);
+  return result;
+}
+
+std::vector<at::Tensor> Reducer::bucket_buffers() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<at::Tensor> result;
+  for (const Bucket& bucket : set_.buckets) result.push_back(bucket.flat);
+  return result;
+}
+
+bool Reducer::rebuild_buckets() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!rebuild_pending_ || !ready_order_complete_) return false;
+  if (armed_ || finalize_queued_) {
+    throw std::logic_error("pyreducer: rebuild_buckets called while a backward is pending");
+  }
+  // Parameters that never became ready (unused with static_graph) go last.
+  std::vector<uint8_t> seen(params_.size(), 0);
+  for (int64_t index : ready_order_) seen[index] = 1;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!seen[i]) ready_order_.push_back(static_cast<int64_t>(i));
+  }
+  broadcast_int64s(group_, ready_order_, /*root=*/0);
+  std::vector<ParamSpec> specs(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    specs[i] = ParamSpec{params_[i].numel() * static_cast<int64_t>(params_[i].element_size()),
+                         group_key(params_[i])};
+  }
+  std::vector<std::vector<int64_t>> plan;
+  for (BucketSpec& spec : assign_buckets(specs, ready_order_, options_.rebuild_caps_bytes)) {
+    plan.push_back(std::move(spec.param_indices));
+  }
+  set_ = make_buckets(params_, param_names_, plan);
+  plan_history_.push_back(plan);
+  adopt_grads_into_buckets();  // see Note [Bucket rebuild]
+  rebuild_pending_ = false;
+  ready_order_.clear();
+  return true;
+}
+
+void Reducer::copy_bucket_in(size_t b) {
+  Bucket& bucket = set_.buckets[b];
+  std::vector<at::Tensor> grads;
+  std::vector<int64_t> offsets;
+  for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
+    at::Tensor& grad = params_[bucket.param_indices[k]].mutable_grad();
+    if (!grad.defined()) {
+      bucket.views[k].zero_();
+    } else if (grad.is_alias_of(bucket.views[k])) {
+      if (!comm_hook_) bucket.views[k].div_(world_size_);
+    } else {
+      grads.push_back(grad);
+      offsets.push_back(bucket.offsets[k]);
+    }
+  }
+  bucket_copy_in(bucket.flat, grads, offsets, comm_hook_ ? 1.0 : static_cast<double>(world_size_));
+  if (options_.gradient_as_bucket_view) {
+    for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
+      at::Tensor& grad = params_[bucket.param_indices[k]].mutable_grad();
+      if (grad.defined()) grad = bucket.views[k];
+    }
+  }
+}
+
+void Reducer::launch_ready_buckets() {
+  while (next_bucket_ < set_.buckets.size() && set_.buckets[next_bucket_].pending == 0) {
+    launch_bucket(next_bucket_);
+    next_bucket_ += 1;
+  }
+  if (next_bucket_ == set_.buckets.size() && dynamic_find_unused()) launch_used_map_allreduce();
+}
+
+void Reducer::launch_bucket(size_t b) {
+  Bucket& bucket = set_.buckets[b];
+  std::atomic<int64_t>* done = nullptr;
+  if (record_) {
+    record_->bucket_launch_ns[b] = Timeline::now_ns();
+    done = &record_->bucket_done_ns[b];
+  }
+  if (!comm_hook_) {
+    bucket.work = allreduce_sum_async(group_, bucket.flat, done, [b] {
+      return "pyreducer.allreduce.bucket_" + std::to_string(b);
+    });
+    return;
+  }
+  GradBucketView view;
+  view.index = b;
+  view.is_last = b + 1 == set_.buckets.size();
+  view.buffer = bucket.flat;
+  view.gradients = bucket.views;
+  for (int64_t i : bucket.param_indices) view.parameters.push_back(params_[i]);
+  bucket.future = comm_hook_->run(view);
+  if (done != nullptr) {
+    bucket.future->addCallback([done](c10::ivalue::Future& /*unused*/) {
+      done->store(Timeline::now_ns(), std::memory_order_release);
+    });
+  }
+}
+
+void Reducer::launch_used_map_allreduce() {
+  at::NoGradGuard no_grad;
+  used_map_.copy_(at::tensor(locally_used_, at::TensorOptions().dtype(at::kInt)));
+  used_map_work_ = allreduce_sum_async(group_, used_map_);
+}
+
+void Reducer::wait_and_copy_out() {
+  if (record_) record_->wait_start_ns = Timeline::now_ns();
+  for (size_t b = 0; b < set_.buckets.size(); ++b) {
+    Bucket& bucket = set_.buckets[b];
+    if (!bucket.future) {
+      wait_or_throw(bucket.work, group_, "all-reduce of bucket " + std::to_string(b));
+      continue;
+    }
+    bucket.future->wait();
+    if (bucket.future->hasError()) {
+      throw std::runtime_error("pyreducer: communication hook " + comm_hook_->name() +
+                               " failed for bucket " + std::to_string(b) + " on rank " +
+                               std::to_string(group_->getRank()) + ": " +
+                               bucket.future->tryRetrieveErrorMessage());
+    }
+    at::Tensor result = comm_hook_->parse_result(bucket.future->value());
+    if (!result.is_same(bucket.flat)) {
+      if (result.numel() != bucket.flat.numel()) {
+        throw std::runtime_error("pyreducer: communication hook " + comm_hook_->name() +
+                                 " returned " + std::to_string(result.numel()) +
+                                 " elements for bucket " + std::to_string(b) + ", expected " +
+                                 std::to_string(bucket.flat.numel()));
+      }
+      at::NoGradGuard no_grad;
+      bucket.flat.copy_(result.reshape({-1}));
+    }
+  }
+  if (record_) record_->wait_end_ns = Timeline::now_ns();
+  if (used_map_work_) {
+    wait_or_throw(used_map_work_, group_, "all-reduce of the used-parameter map");
+    used_map_work_.reset();
+    const at::Tensor used = used_map_.cpu();
+    const int32_t* data = used.data_ptr<int32_t>();
+    for (size_t i = 0; i < params_.size(); ++i) globally_unused_[i] = data[i] == 0;
+  }
+  at::NoGradGuard no_grad;
+  for (Bucket& bucket : set_.buckets) {
+    for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
+      const int64_t index = bucket.param_indices[k];
+      if (globally_unused_[index]) continue;  // keeps its .grad as it was
+      at::Tensor& param = params_[index];
+      at::Tensor& grad = param.mutable_grad();
+      if (options_.gradient_as_bucket_view) {
+        if (!grad.defined()) grad = bucket.views[k];
+      } else {
+        copy_out_of_slot(grad, bucket.views[k], param);
+      }
+    }
+  }
+}
+
+void Reducer::adopt_grads_into_buckets() {
+  if (!options_.gradient_as_bucket_view) return;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    const SlotLocation& location = set_.locations[i];
+    at::Tensor& slot = set_.buckets[location.bucket].views[location.slot];
+    if (grad.defined() && !grad.is_alias_of(slot)) {
+      slot.copy_(grad);
+      grad = slot;
+    }
+  }
+}
+
+}  // namespace pyreducer

@@ -9,7 +9,7 @@ CMAKE_BUILD := build/cmake
 PYTEST_ARGS ?=
 export MAX_JOBS ?= 2
 
-.PHONY: venv build demo test cpp-test pytest bench clean
+.PHONY: venv build demo test cpp-test pytest bench cuda-check clean
 
 venv: $(DEPS_STAMP)
 
@@ -37,6 +37,37 @@ pytest: build
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 test: cpp-test pytest
+
+# The CUDA build, checked without a GPU: a separate venv with torch's CUDA 13.0 build, the
+# extension compiled with its CUDA kernels (csrc/cuda), imported, and the CPU test suite run
+# against it. The kernels are compiled, not run, on a machine without a GPU.
+CUDA_VENV ?= .venv-cuda
+CUDA_TORCH_VERSION ?= 2.14.1
+NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+CUDA_BUILD := build/cuda
+CUDA_STAMP := $(CUDA_VENV)/.deps-$(CUDA_TORCH_VERSION)
+
+$(CUDA_STAMP):
+	$(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check torch==$(CUDA_TORCH_VERSION)
+	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check numpy pytest ninja matplotlib
+	touch $@
+
+ifeq ($(NVCC),)
+cuda-check:
+	@echo "cuda-check: nvcc not found: the CUDA build was not checked (nothing compiled)."
+else
+cuda-check: $(CUDA_STAMP)
+	CUDA_HOME=$(abspath $(dir $(NVCC))..) TORCH_CUDA_ARCH_LIST="8.0;9.0" PYREDUCER_CUDA=1 \
+	    $(CUDA_VENV)/bin/python setup.py --quiet build_ext --build-lib $(CUDA_BUILD)/lib --build-temp $(CUDA_BUILD)/temp
+	rm -rf $(CUDA_BUILD)/pkg && mkdir -p $(CUDA_BUILD)/pkg/pyreducer
+	cp pyreducer/*.py $(CUDA_BUILD)/pkg/pyreducer/ && cp $(CUDA_BUILD)/lib/pyreducer/_C*.so $(CUDA_BUILD)/pkg/pyreducer/
+	cd $(CUDA_BUILD)/pkg && $(abspath $(CUDA_VENV))/bin/python -c "import torch, pyreducer; \
+	    assert pyreducer._C.WITH_CUDA, 'built without CUDA kernels'; \
+	    print('cuda-check: pyreducer built with CUDA kernels against torch', torch.version.__version__, \
+	          '(CUDA', torch.version.cuda + '); GPU present:', torch.cuda.is_available())"
+	PYTHONPATH=$(abspath $(CUDA_BUILD)/pkg) $(CUDA_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+endif
 
 bench: build
 	$(VPY) benchmarks/bench_ddp.py --json benchmarks/results/latest.json

@@ -136,6 +136,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pyreducer C++ core: bucket planner and gradient Reducer";
   m.attr("DEFAULT_FIRST_BUCKET_CAP_BYTES") = pyreducer::kDefaultFirstBucketCapBytes;
   m.attr("DEFAULT_BUCKET_CAP_BYTES") = pyreducer::kDefaultBucketCapBytes;
+#ifdef PYREDUCER_WITH_CUDA
+  m.attr("WITH_CUDA") = true;  // CUDA kernels compiled in (csrc/cuda)
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
   m.def("assign_buckets", &pyreducer::assign_buckets_py, py::arg("sizes_bytes"),
         py::arg("group_keys"), py::arg("walk_order"), py::arg("caps_bytes"),
         "Partition parameters into buckets; see csrc/bucketing.h.");

@@ -149,7 +149,7 @@ void copy_out_op_cpu(const at::Tensor& flat, at::TensorList grads, at::IntArrayR
 void copy_in_op_meta(const at::Tensor&, at::TensorList, at::IntArrayRef, double) {}
 void copy_out_op_meta(const at::Tensor&, at::TensorList, at::IntArrayRef) {}
 at::Tensor cast_scaled_meta(const at::Tensor& src, at::ScalarType dtype, double) {
-  return at::empty({src.numel()}, src.options().dtype(dtype));
+  return at::empty_symint({src.sym_numel()}, src.options().dtype(dtype));  // dynamic shapes
 }
 
 }  // namespace

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+import pyreducer
+
 KEEP = 4
 
 
@@ -91,11 +93,13 @@ def test_profiler_shows_every_bucket(runs):
 
 def test_trace_command_writes_trace_plots_and_summary(tmp_path):
     out = tmp_path / "run"
+    # The same pyreducer this test imported (the in-tree build, or make cuda-check's).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path))
     result = subprocess.run(
         [sys.executable, "-m", "pyreducer", "trace", "--model", "mlp", "--nproc", "2",
          "--bucket-cap-mb", "0.2", "--steps", "5", "--keep", "3", "--out", str(out)],
-        capture_output=True, text=True, timeout=240,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        capture_output=True, text=True, timeout=240, cwd=str(tmp_path), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "overlap" in result.stdout
     trace = json.loads((out / "trace.json").read_text())

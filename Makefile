@@ -43,7 +43,9 @@ test: cpp-test pytest
 # against it. The kernels are compiled, not run, on a machine without a GPU.
 CUDA_VENV ?= .venv-cuda
 CUDA_TORCH_VERSION ?= 2.14.1
-NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+# The toolkit: $CUDA_HOME if set, else /usr/local/cuda (nvcc on PATH may be a wrapper script).
+CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda) $(abspath $(dir $(realpath $(shell command -v nvcc 2>/dev/null)))..))
+NVCC := $(wildcard $(CUDA_HOME)/bin/nvcc)
 CUDA_BUILD := build/cuda
 CUDA_STAMP := $(CUDA_VENV)/.deps-$(CUDA_TORCH_VERSION)
 
@@ -58,7 +60,7 @@ cuda-check:
 	@echo "cuda-check: nvcc not found: the CUDA build was not checked (nothing compiled)."
 else
 cuda-check: $(CUDA_STAMP)
-	CUDA_HOME=$(abspath $(dir $(NVCC))..) TORCH_CUDA_ARCH_LIST="8.0;9.0" PYREDUCER_CUDA=1 \
+	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="8.0;9.0" PYREDUCER_CUDA=1 \
 	    $(CUDA_VENV)/bin/python setup.py --quiet build_ext --build-lib $(CUDA_BUILD)/lib --build-temp $(CUDA_BUILD)/temp
 	rm -rf $(CUDA_BUILD)/pkg && mkdir -p $(CUDA_BUILD)/pkg/pyreducer
 	cp pyreducer/*.py $(CUDA_BUILD)/pkg/pyreducer/ && cp $(CUDA_BUILD)/lib/pyreducer/_C*.so $(CUDA_BUILD)/pkg/pyreducer/

@@ -39,7 +39,7 @@ def want_cuda() -> bool:
 
 def extension():
     # -g0: the inherited "-g" makes a 13 MB .so and a slower build.
-    cxx = ["-O2", "-g0", "-std=c++17"]
+    cxx = ["-O2", "-g0"]  # the C++ standard is torch's choice (C++17 for 2.13, C++20 for 2.14)
     if not want_cuda():
         return cpp_extension.CppExtension("pyreducer._C", sources("csrc/*.cpp"),
                                           extra_compile_args=cxx)
@@ -50,7 +50,7 @@ def extension():
     return cpp_extension.CUDAExtension(
         "pyreducer._C", sources("csrc/*.cpp") + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
         include_dirs=includes, define_macros=[("PYREDUCER_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": cxx, "nvcc": ["-O2", "-std=c++17"]})
+        extra_compile_args={"cxx": cxx, "nvcc": ["-O2"]})
 
 
 setup(ext_modules=[extension()],

@@ -42,6 +42,76 @@ class SmallCNN(nn.Module):
         return self.classifier(self.features(x).flatten(1))
 
 
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP, both residual."""
+
+    def __init__(self, dim: int, heads: int, hidden: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        n = x.shape[1]
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), 1)
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyTransformer(nn.Module):
+    """Token + position embedding, `layers` blocks, output layer tied to the token embedding."""
+
+    def __init__(self, vocab: int = 8192, dim: int = 256, heads: int = 4, layers: int = 4,
+                 seq: int = 64):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads, 4 * dim) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, tokens):
+        x = self.tokens(tokens) + self.positions[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class ResidualCNN(nn.Module):
+    """A small ResNet-like CNN: three stages of two residual conv blocks with BatchNorm."""
+
+    def __init__(self, widths=(32, 64, 128), classes: int = 10):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(3, widths[0], 3, padding=1, bias=False),
+                                   nn.BatchNorm2d(widths[0]), nn.ReLU()]
+        channels = widths[0]
+        for stage, width in enumerate(widths):
+            for block in range(2):
+                stride = 2 if block == 0 and stage > 0 else 1
+                layers.append(_ResBlock(channels, width, stride))
+                channels = width
+        self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1))
+        self.classifier = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))
+
+
+class _ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+        self.skip = nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + self.skip(x))
+
+
 def mlp(width: int = 64, depth: int = 3, inputs: int = 32, outputs: int = 8) -> nn.Module:
     layers: list[nn.Module] = [nn.Linear(inputs, width), nn.ReLU()]
     for _ in range(depth - 2):
@@ -77,6 +147,15 @@ def _tokens(gen, size):
             torch.randint(0, 64, (size, 6), generator=gen))
 
 
+def _images32(gen, size):
+    return torch.randn(size, 3, 32, 32, generator=gen), torch.randint(0, 10, (size,), generator=gen)
+
+
+def _tokens_lm(gen, size):
+    return (torch.randint(0, 8192, (size, 64), generator=gen),
+            torch.randint(0, 8192, (size, 64), generator=gen))
+
+
 def _ce(model, batch):
     x, y = batch
     logits = model(x)
@@ -93,7 +172,12 @@ SPECS: dict[str, Spec] = {
     # benchmarks: a few large tensors; hundreds of small tensors
     "mlp_large": Spec(lambda: mlp(1024, 6, 1024, 1024), _regression(1024, 1024), _mse),
     "deep_narrow": Spec(lambda: mlp(96, 200, 96, 96), _regression(96, 96), _mse),
+    "transformer": Spec(TinyTransformer, _tokens_lm, _ce),
+    "resnet": Spec(ResidualCNN, _images32, _ce),
 }
+
+# Batch sizes for the emulated-network benchmarks: one step takes 50-500 ms on one core.
+BENCH_BATCH = {"mlp_large": 64, "deep_narrow": 256, "transformer": 8, "resnet": 32}
 
 
 def spec(name: str) -> Spec:

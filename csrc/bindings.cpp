@@ -104,6 +104,7 @@ py::list timeline_records(const Reducer& reducer, size_t last) {
     for (const IterationRecord* r : records) {
       py::dict entry;
       entry["iteration"] = r->iteration;
+      entry["plan_version"] = r->plan_version;
       entry["backward_start_ns"] = r->backward_start_ns;
       entry["backward_end_ns"] = r->backward_end_ns;
       entry["wait_start_ns"] = r->wait_start_ns;
@@ -203,6 +204,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("note_unsynced_forward", &Reducer::note_unsynced_forward)
       .def("complete_ready_order", &Reducer::complete_ready_order)
+      .def("apply_plan", &Reducer::apply_plan, py::arg("plan"))
       .def("rebuild_buckets", &Reducer::rebuild_buckets, py::call_guard<py::gil_scoped_release>())
       .def("bucket_layout", &pyreducer::bucket_layout)
       .def("bucket_buffers", &Reducer::bucket_buffers)

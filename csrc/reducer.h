@@ -86,6 +86,10 @@ class Reducer {
   // interrupted after it had launched collectives. Python thread.
   std::vector<at::Tensor> prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
+  // Replaces the bucket plan (launch order; see make_buckets) between iterations; cancels a
+  // pending rebuild. Every rank must apply the same plan at the same point. Python thread.
+  void apply_plan(const std::vector<std::vector<int64_t>>& plan);
+
   // Installs a communication hook (see Note [Communication hooks]). Only before the first synced
   // iteration, and once. Python thread.
   void register_comm_hook(std::shared_ptr<CommHook> hook);

@@ -193,4 +193,18 @@ void Reducer::adopt_grads_into_buckets() {
   }
 }
 
+void Reducer::apply_plan(const std::vector<std::vector<int64_t>>& plan) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (armed_ || finalize_queued_) {
+    throw std::runtime_error("pyreducer: a bucket plan can only be applied between iterations "
+                             "(not between a synced forward and its backward)");
+  }
+  BucketSet next = make_buckets(params_, param_names_, plan);  // validates before replacing
+  set_ = std::move(next);
+  plan_history_.push_back(plan);
+  adopt_grads_into_buckets();
+  rebuild_pending_ = false;
+  ready_order_.clear();
+}
+
 }  // namespace pyreducer

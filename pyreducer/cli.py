@@ -1,4 +1,4 @@
-"""Command line: `python -m pyreducer demo | trace`."""
+"""Command line: `python -m pyreducer demo | trace | simulate | netem`."""
 from __future__ import annotations
 
 import argparse
@@ -10,19 +10,30 @@ def trace_worker(rank, world_size, model_name, steps, bucket_cap_mb, batch, keep
     from pyreducer import DistributedDataParallel, models
     from pyreducer.trace import gather_timelines
 
+    import statistics
+    import time
+
     spec = models.spec(model_name)
     torch.manual_seed(0)
     model = DistributedDataParallel(spec.build(), bucket_cap_mb=bucket_cap_mb,
                                     timeline_iterations=keep)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(rank)
+    forward_ms, optimizer_ms = [], []
     for step in range(steps):
         opt.zero_grad()
-        spec.loss(model, spec.batch(gen, batch)).backward()
+        t0 = time.perf_counter()
+        loss = spec.loss(model, spec.batch(gen, batch))
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         opt.step()
+        forward_ms.append((t1 - t0) * 1e3)
+        optimizer_ms.append((time.perf_counter() - t2) * 1e3)
         if rank == 0:
             print(f"  step {step + 1}/{steps}", flush=True)
-    return gather_timelines(model, keep)
+    profile = model.profile(statistics.median(forward_ms), statistics.median(optimizer_ms), keep)
+    return gather_timelines(model, keep), vars(profile)
 
 
 def trace_main(args) -> int:
@@ -34,10 +45,50 @@ def trace_main(args) -> int:
     results = run_ranks(trace_worker, args.nproc, timeout_s=1200,
                         args=(args.model, args.steps, args.bucket_cap_mb, args.batch,
                               min(args.steps, args.keep)))
-    report = write_report(results[0], args.out)
+    timelines, profile = results[0]
+    report = write_report(timelines, args.out, profile=profile)
     print(report["summary"])
     for name, path in report["paths"].items():
         print(f"wrote {path}")
+    return 0
+
+
+def netem_main(args) -> int:
+    import sys
+
+    from pyreducer.netem import EmulatedCluster, NetemUnavailable
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("netem: give the command to run after --", file=sys.stderr)
+        return 2
+    try:
+        with EmulatedCluster(args.hosts, args.rate) as cluster:
+            procs = [cluster.launch(rank, command) for rank in range(args.hosts)]
+            codes = cluster.wait(procs, timeout_s=args.timeout)
+    except NetemUnavailable as error:
+        print(f"netem: {error}; not running on loopback instead", file=sys.stderr)
+        return 2
+    print(f"netem: exit codes per rank: {codes}")
+    return max(codes)
+
+
+def simulate_main(args) -> int:
+    import json
+    import os
+
+    from pyreducer.tuning import simulate
+
+    profile = simulate.load_profile(args.profile)
+    rows = simulate.simulate(profile, [int(r) for r in args.ranks.split(",")],
+                             args.link.split(","))
+    print(simulate.format_rows(rows))
+    base = args.profile if os.path.isdir(args.profile) else os.path.dirname(args.profile)
+    png = args.out or os.path.join(base, "simulate.png")
+    simulate.plot(rows, png)
+    with open(os.path.splitext(png)[0] + ".json", "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {png}")
     return 0
 
 
@@ -57,7 +108,21 @@ def main(argv=None) -> int:
     trace.add_argument("--batch", type=int, default=32)
     trace.add_argument("--keep", type=int, default=5, help="iterations kept in the trace")
     trace.add_argument("--out", default="run/trace")
+    simulate = commands.add_parser("simulate", help="predict many-host runs from a profile")
+    simulate.add_argument("--profile", required=True, help="a trace output dir (profile.json)")
+    simulate.add_argument("--ranks", default="2,8,64,512")
+    simulate.add_argument("--link", default="1gbit,10gbit,100gbit")
+    simulate.add_argument("--out", default=None, help="PNG path (default: next to the profile)")
+    netem = commands.add_parser("netem", help="run a command as N ranks on emulated hosts")
+    netem.add_argument("--hosts", type=int, default=2)
+    netem.add_argument("--rate", default="1gbit", help="e.g. 1gbit, 10gbit, unlimited")
+    netem.add_argument("--timeout", type=float, default=3600)
+    netem.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
     args = parser.parse_args(argv)
+    if args.command == "netem":
+        return netem_main(args)
+    if args.command == "simulate":
+        return simulate_main(args)
     if args.command == "demo":
         from pyreducer import demo as demo_module
 

@@ -46,6 +46,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             plan must be the same on every rank (checked) and is never rebuilt.
         timeline_iterations: how many synced iterations the per-bucket timeline keeps (see
             timeline()); 0 turns recording off.
+
+    bucket_cap_mb="auto" turns on online autotune (pyreducer.tuning.autotune).
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
@@ -102,6 +104,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                 states += self._module_buffers()
             sync.broadcast_coalesced(states, self.process_group)
 
+        self._autotune = None
+        if bucket_cap_mb == "auto":
+            from pyreducer.tuning.autotune import AutoTuner
+
+            self._autotune, bucket_cap_mb = AutoTuner(), None
         self.bucket_caps_bytes = bucketing.caps_bytes(bucket_cap_mb, bucket_cap_mb_list)
         self.bucket_bytes_cap = max(self.bucket_caps_bytes)
         # torch DDP's schedule: with a static graph or without unused-parameter search, one
@@ -128,6 +135,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             Join.notify_join_context(self)
             if torch.is_grad_enabled():
                 self.reducer.rebuild_buckets()  # once, after the first synced backward
+                if self._autotune is not None and self.require_backward_grad_sync:
+                    self._autotune.before_forward(self)
             if self.require_forward_param_sync and self.forward_sync_buffers:
                 self._sync_buffers()
             if self._join_config.enable:
@@ -209,6 +218,61 @@ class DistributedDataParallel(nn.Module, Joinable):
         recorded timeline (definitions: pyreducer.timeline)."""
         return timeline_module.overlap_stats(
             self.timeline(last if last is not None else 1 << 30))
+
+    # -- tuning (pyreducer.tuning) ----------------------------------------------------------------
+    @property
+    def autotune_log(self) -> list[dict]:
+        return self._autotune.log if self._autotune is not None else []
+
+    def profile(self, forward_ms: float = 0.0, optimizer_ms: float = 0.0, last: int = 3):
+        """This rank's step profile (gradient ready times, sizes) from the last iterations."""
+        from pyreducer.tuning.stepmodel import Profile
+
+        records = self.timeline(last)
+        if not records:
+            raise RuntimeError("profile(): no recorded iteration yet (run a synced step first, "
+                               "with timeline_iterations > 0)")
+        return Profile.from_timeline(records, [p.numel() * p.element_size() for p in self._params],
+                                     forward_ms, optimizer_ms,
+                                     [bucketing.group_key(p) for p in self._params])
+
+    def plan_buckets(self, link=None, forward_ms: float = 0.0, optimizer_ms: float = 0.0) -> dict:
+        """The plan that minimises the predicted step time, next to the current plan's and torch
+        DDP's default; call on every rank (probes the link unless `link` is given; rank 0's
+        answer is broadcast). Apply it with apply_bucket_plan(result["plan"]) or save it."""
+        from pyreducer.tuning import planner, stepmodel
+        from pyreducer.tuning.linkmodel import probe_link
+
+        if link is None:
+            link, _ = probe_link(self.process_group)
+        payload = [None]
+        if dist.get_rank(self.process_group) == 0:
+            ranks = dist.get_world_size(self.process_group)
+            prof = self.profile(forward_ms, optimizer_ms)
+            best = planner.best_plan(prof, link, ranks)
+            current = [b["param_indices"] for b in self.reducer.bucket_layout()]
+            default = stepmodel.cap_plan(prof, bucketing.caps_bytes(None, None))
+            names = self._param_names
+            payload = [dict(
+                plan=[[names[i] for i in b] for b in best],
+                predicted_ms=stepmodel.predict_step_ms(prof, best, link, ranks),
+                current_predicted_ms=stepmodel.predict_step_ms(prof, current, link, ranks),
+                ddp_default_predicted_ms=stepmodel.predict_step_ms(prof, default, link, ranks),
+                link=dict(latency_s=link.latency_s,
+                          bandwidth_bytes_per_s=link.bandwidth_bytes_per_s))]
+        dist.broadcast_object_list(payload, src=dist.get_global_rank(self.process_group, 0),
+                                   group=self.process_group)
+        return payload[0]
+
+    def apply_bucket_plan(self, plan) -> None:
+        """Uses `plan` (parameter indices or names per bucket, launch order) from now on; call on
+        every rank between iterations; rank 0's plan is the one applied."""
+        if plan and plan[0] and isinstance(plan[0][0], str):
+            plan = bucketing.plan_from_names(plan, self._param_names)
+        payload = [plan]
+        dist.broadcast_object_list(payload, src=dist.get_global_rank(self.process_group, 0),
+                                   group=self.process_group)
+        self.reducer.apply_plan(payload[0])
 
     def save_bucket_plan(self, path) -> None:
         """Writes bucket_plan() as JSON; pass the path as bucket_plan= to replay it."""

@@ -177,7 +177,7 @@ SPECS: dict[str, Spec] = {
 }
 
 # Batch sizes for the emulated-network benchmarks: one step takes 50-500 ms on one core.
-BENCH_BATCH = {"mlp_large": 64, "deep_narrow": 256, "transformer": 8, "resnet": 32}
+BENCH_BATCH = {"mlp_large": 128, "deep_narrow": 512, "transformer": 8, "resnet": 32}
 
 
 def spec(name: str) -> Spec:

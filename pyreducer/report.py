@@ -27,8 +27,9 @@ def summary_text(timelines: list[list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def write_report(timelines: list[list[dict]], out_dir) -> dict:
-    """Writes trace.json, timeline.json, gantt.png, overlap.png, summary.txt into out_dir."""
+def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = None) -> dict:
+    """Writes trace.json, timeline.json, gantt.png, overlap.png, summary.txt (and profile.json,
+    rank 0's step profile for `python -m pyreducer simulate`, if given) into out_dir."""
     from pyreducer import plot
 
     os.makedirs(out_dir, exist_ok=True)
@@ -40,6 +41,10 @@ def write_report(timelines: list[list[dict]], out_dir) -> dict:
         json.dump(timelines, f)
     plot.gantt(timelines, paths["gantt.png"])
     plot.exposed_vs_hidden(timelines, paths["overlap.png"])
+    if profile is not None:
+        paths["profile.json"] = os.path.join(out_dir, "profile.json")
+        with open(paths["profile.json"], "w") as f:
+            json.dump(profile, f)
     text = summary_text(timelines)
     with open(paths["summary.txt"], "w") as f:
         f.write(text + "\n")

@@ -3,6 +3,7 @@
 `model.timeline(last=1)` returns one dict per recorded synced iteration (oldest first):
 
     iteration          synced iteration number (1-based) on this rank
+    plan_version       which bucket plan was in force (0 = initial; +1 per rebuild/apply)
     rank               this rank in the model's process group
     backward_start_ns  outer backward began (the output sink's backward ran)
     backward_end_ns    autograd's compute ended (the end-of-backward callback started)
@@ -48,7 +49,7 @@ def records(model, last: int = 1) -> list[dict]:
                         done_ns=bucket["done_ns"])
                    for b, bucket in enumerate(raw["buckets"])]
         result.append(dict(
-            iteration=raw["iteration"], rank=rank,
+            iteration=raw["iteration"], rank=rank, plan_version=raw["plan_version"],
             backward_start_ns=raw["backward_start_ns"], backward_end_ns=raw["backward_end_ns"],
             wait_start_ns=raw["wait_start_ns"], wait_end_ns=raw["wait_end_ns"],
             finalize_end_ns=raw["finalize_end_ns"],

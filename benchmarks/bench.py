@@ -1,0 +1,168 @@
+"""Benchmarks on an emulated cluster network (pyreducer.netem): pyreducer vs torch DDP vs the
+classic baselines, bucket-size sweeps, and the overlap bound.
+
+Each rank runs in its own network namespace ("host") with its NIC rate-limited by tc tbf and is
+pinned to one core; all variants run in the same processes on the same model, seed and data,
+after a check that the communicating ones end with the same parameters. Variants:
+  compute    no communication (gives forward, backward and optimizer-step times)
+  per_param  after backward, one all-reduce per gradient (the classic tutorial)
+  flat       after backward, one flat all-reduce of all gradients (no overlap; Apex delay_allreduce)
+  torch      torch DDP at the same bucket cap;  pyreducer  pyreducer at that cap
+  auto       pyreducer with bucket_cap_mb="auto" (online autotune, 20 warm-up steps)
+Step time = the slowest rank's. Overlap bound = forward + max(backward, comm) + step, with comm
+the measured time of one flat all-reduce of all gradients on this network.
+
+    python benchmarks/bench.py --link 1gbit --nproc 2 --model transformer --impl all --json out.json
+    python benchmarks/bench.py --link 1gbit,10gbit --model mlp_large --impl torch,pyreducer \\
+        --bucket-cap-mb 0.5,1,2,4,8,16,25,64 --json sweep.json --plot sweep.png
+Needs root and iproute2 (network namespaces, tc); exits non-zero saying so otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+from pyreducer.netem import EmulatedCluster, NetemUnavailable, check_available  # noqa: E402
+
+ALL = "compute,per_param,flat,torch,pyreducer,auto"
+
+
+def run_one(model, link, nproc, variants, caps, args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="pyreducer-bench-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        argv = [sys.executable, os.path.join(HERE, "netem_worker.py"), "--model", model,
+                "--variants", variants, "--caps", caps, "--steps", str(args.steps),
+                "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--out", out]
+        if args.batch:
+            argv += ["--batch", str(args.batch)]
+        start = time.monotonic()
+        print(f"== {model}, {nproc} hosts, link {link}, caps {caps} MB", flush=True)
+        with EmulatedCluster(nproc, link, port=29511 + os.getpid() % 1000) as cluster:
+            procs = [cluster.launch(rank, argv, env={"PYTHONUNBUFFERED": "1"},
+                                    stdout=None if rank == 0 else subprocess_devnull(),
+                                    stderr=None if rank == 0 else subprocess_devnull())
+                     for rank in range(nproc)]
+            codes = cluster.wait(procs, timeout_s=args.timeout)
+        if any(codes):
+            raise SystemExit(f"{model} at {link}: ranks exited with {codes}")
+        with open(out) as f:
+            result = json.load(f)
+        result.update(link=link, hosts=nproc, seconds=time.monotonic() - start)
+        return result
+
+
+def subprocess_devnull():
+    return open(os.devnull, "w")
+
+
+def table(result) -> str:
+    lines = [f"{result['model']} (batch {result['batch']}), {result['hosts']} hosts at "
+             f"{result['link']}; one flat all-reduce of all gradients: "
+             f"{result['comm_only_ms']:.1f} ms; parity max diff: "
+             + ", ".join(f"{k} {v:.1g}" for k, v in result["parity_max_diff"].items())]
+    for cap, entry in result["results"].items():
+        bound = entry.get("bound_ms")
+        torch_ms = entry.get("torch", {}).get("median_ms")
+        lines.append(f"  bucket cap {cap} MB" + (f" (pyreducer: {entry['buckets']} buckets)"
+                                                  if "buckets" in entry else ""))
+        lines.append(f"    {'variant':10s} {'median ms':>10s} {'IQR':>17s} {'/ torch DDP':>12s}"
+                     f" {'/ bound':>8s}")
+        for variant in ALL.split(","):
+            if variant not in entry:
+                continue
+            e = entry[variant]
+            ratio = f"{e['median_ms'] / torch_ms:.3f}" if torch_ms else "-"
+            vs_bound = f"{e['median_ms'] / bound:.3f}" if bound and variant != "compute" else "-"
+            lines.append(f"    {variant:10s} {e['median_ms']:10.1f} [{e['p25_ms']:7.1f}, "
+                         f"{e['p75_ms']:7.1f}] {ratio:>12s} {vs_bound:>8s}")
+        if bound:
+            s = entry["compute_split_ms"]
+            lines.append(f"    bound = forward {s['forward']:.1f} + max(backward {s['backward']:.1f},"
+                         f" comm {result['comm_only_ms']:.1f}) + step {s['step']:.1f} = "
+                         f"{bound:.1f} ms")
+    return "\n".join(lines)
+
+
+def environment(args):
+    import torch
+    return dict(torch=torch.__version__, python=platform.python_version(),
+                cores=os.cpu_count(), machine=platform.machine(), backend="gloo",
+                emulation="network namespaces + bridge, tc tbf per host NIC (no latency model)",
+                threads_per_rank=1, date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                steps=args.steps, rounds=args.rounds, warmup=args.warmup)
+
+
+def plot_sweep(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for result in results:
+        keys = [c for c in result["results"] if c != "default"]
+        caps = [float(c) for c in keys]
+        for variant, style in (("torch", "--"), ("pyreducer", "-")):
+            if variant not in next(iter(result["results"].values())):
+                continue
+            ys = [result["results"][c][variant]["median_ms"] for c in keys]
+            ax.plot(caps, ys, style, marker="o",
+                    label=f"{variant} {result['model']} {result['link']} ({result['hosts']} hosts)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bucket_cap_mb")
+    ax.set_ylabel("median step time, ms (slowest rank)")
+    ax.set_title("step time vs bucket size on the emulated network")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--link", default="1gbit", help="rates, comma-separated; 'unlimited' ok")
+    parser.add_argument("--nproc", type=int, default=2, help="hosts (one rank each)")
+    parser.add_argument("--model", default="transformer", help="comma-separated")
+    parser.add_argument("--impl", default="all", help=f"'all' or a subset of {ALL}")
+    parser.add_argument("--bucket-cap-mb", default="default",
+                        help="comma-separated (a sweep); 'default' = DDP's default caps")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--json")
+    parser.add_argument("--plot", help="PNG of step time vs bucket cap (sweeps)")
+    args = parser.parse_args(argv)
+    try:
+        check_available()
+    except NetemUnavailable as error:
+        print(f"bench.py: cannot emulate hosts here: {error}. Not falling back to loopback.",
+              file=sys.stderr)
+        return 2
+    variants = ALL if args.impl == "all" else args.impl
+    results = []
+    for model in args.model.split(","):
+        for link in args.link.split(","):
+            result = run_one(model, link, args.nproc, variants, args.bucket_cap_mb, args)
+            print(table(result), flush=True)
+            results.append(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(environment=environment(args), runs=results), f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_sweep(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

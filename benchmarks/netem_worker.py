@@ -1,0 +1,205 @@
+"""One rank of benchmarks/bench.py, run inside an emulated host (pyreducer.netem).
+
+Runs every variant on the same model, seed and data: first checks that the communicating
+variants end with the same parameters, then times them round-robin and writes rank 0's view
+(step time = the slowest rank's, via an all-reduce MAX after each step) as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from pyreducer import DistributedDataParallel, models  # noqa: E402
+
+VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto")
+AUTO_WARMUP = 20  # autotune needs ~15 synced iterations to decide
+
+
+class Plain:
+    """A model without a wrapper, with an explicit after-backward communication `mode`."""
+
+    def __init__(self, module, mode):
+        self.module, self.mode = module, mode
+
+    def __call__(self, *args):
+        return self.module(*args)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def after_backward(self):
+        world = dist.get_world_size()
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if self.mode == "per_param":  # the classic tutorial: one all-reduce per gradient
+            for g in grads:
+                dist.all_reduce(g)
+                g.div_(world)
+        elif self.mode == "flat":  # one flat all-reduce after backward (Apex delay_allreduce)
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat.div_(world)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+def build(variant, base, cap):
+    module = copy.deepcopy(base)
+    if variant in ("compute", "per_param", "flat"):
+        return Plain(module, variant)
+    if variant == "torch":
+        from torch.nn.parallel import DistributedDataParallel as TorchDDP
+        return TorchDDP(module, bucket_cap_mb=cap)
+    if variant == "auto":
+        return DistributedDataParallel(module, bucket_cap_mb="auto")
+    return DistributedDataParallel(module, bucket_cap_mb=cap)
+
+
+def step(model, spec, opt, batch):
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss = spec.loss(model, batch)
+    t1 = time.perf_counter()
+    loss.backward()
+    if isinstance(model, Plain):
+        model.after_backward()
+    t2 = time.perf_counter()
+    opt.step()
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def parity(spec, base, variants, cap, batch_size, steps=3):
+    """Max |param - pyreducer's param| after `steps` steps from the same start and data."""
+    finals = {}
+    for variant in variants:
+        if variant == "compute":
+            continue
+        model = build(variant, base, cap)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(7 + dist.get_rank())
+        for _ in range(steps):
+            step(model, spec, opt, spec.batch(gen, batch_size))
+        finals[variant] = [p.detach().clone() for p in model.parameters()]
+    reference = finals.get("pyreducer") or next(iter(finals.values()))
+    return {v: max((a - b).abs().max().item() for a, b in zip(ps, reference))
+            for v, ps in finals.items()}
+
+
+def comm_only_ms(base, reps=5) -> float:
+    numel = sum(p.numel() for p in base.parameters())
+    flat = torch.ones(numel)
+    for _ in range(2):
+        dist.all_reduce(flat)
+    samples = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(flat)
+        samples.append(slowest(time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def summarize(ms):
+    q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
+    return dict(median_ms=statistics.median(ms), p25_ms=q[0], p75_ms=q[2], n=len(ms))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--caps", default="default", help="'default' = DDP's default caps")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    spec = models.spec(args.model)
+    batch_size = args.batch or models.BENCH_BATCH.get(args.model, 32)
+    variants = args.variants.split(",")
+    caps = [None if c == "default" else float(c) for c in args.caps.split(",")]
+    torch.manual_seed(0)
+    base = spec.build()
+    log = (lambda *a: print(f"[{args.model}]", *a, flush=True)) if rank == 0 else (lambda *a: None)
+
+    checked = parity(spec, base, variants, caps[0], batch_size)
+    log("parity (max |param - pyreducer|):", {k: f"{v:.2g}" for k, v in checked.items()})
+    comm_ms = comm_only_ms(base)
+    log(f"one flat all-reduce of all gradients: {comm_ms:.1f} ms")
+    from pyreducer.tuning import probe_link
+
+    link, probe = probe_link(None, reps=3)
+    log(f"link fit: latency {link.latency_s * 1e6:.0f} us, "
+        f"{link.bandwidth_bytes_per_s * 8 / 1e9:.3f} Gbit/s")
+
+    results = {}
+    for cap in caps:
+        built = {v: build(v, base, cap) for v in variants}
+        opts = {v: torch.optim.SGD(m.parameters(), lr=0.01) for v, m in built.items()}
+        gens = {v: torch.Generator().manual_seed(11 + rank) for v in variants}
+        times = {v: [] for v in variants}
+        split = []  # compute-only forward/backward/step
+        for v in variants:
+            for _ in range(AUTO_WARMUP if v == "auto" else args.warmup):
+                step(built[v], spec, opts[v], spec.batch(gens[v], batch_size))
+        for r in range(args.rounds):
+            for v in variants:
+                for _ in range(args.steps):
+                    batch = spec.batch(gens[v], batch_size)
+                    dist.barrier()
+                    fwd, bwd, opt_step = step(built[v], spec, opts[v], batch)
+                    times[v].append(slowest(fwd + bwd + opt_step) * 1e3)
+                    if v == "compute":
+                        split.append((fwd * 1e3, bwd * 1e3, opt_step * 1e3))
+                log(f"cap {cap if cap is not None else 'default'} MB round {r + 1}/{args.rounds} {v:9s} "
+                    f"median {statistics.median(times[v][-args.steps:]):8.1f} ms")
+        entry = {v: summarize(times[v]) for v in variants}
+        if split:
+            fwd, bwd, opt_step = (statistics.median(x) for x in zip(*split))
+            entry["compute_split_ms"] = dict(forward=fwd, backward=bwd, step=opt_step)
+            entry["bound_ms"] = fwd + max(bwd, comm_ms) + opt_step
+        if "pyreducer" in built:
+            entry["buckets"] = len(built["pyreducer"].bucket_plan())
+            entry["overlap"] = built["pyreducer"].overlap_stats(last=5)["mean"]
+            fwd_ms, opt_ms = (entry["compute_split_ms"]["forward"],
+                              entry["compute_split_ms"]["step"]) if split else (0.0, 0.0)
+            entry["profile"] = vars(built["pyreducer"].profile(fwd_ms, opt_ms, last=5))
+        if "auto" in built:
+            entry["auto_log"] = built["auto"].autotune_log
+            entry["auto_buckets"] = len(built["auto"].bucket_plan())
+        results["default" if cap is None else f"{cap:g}"] = entry
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(dict(model=args.model, batch=batch_size, comm_only_ms=comm_ms,
+                           link_fit=dict(latency_s=link.latency_s,
+                                         bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+                                         probe_s={str(k): v for k, v in probe.items()}),
+                           parity_max_diff=checked, results=results), f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

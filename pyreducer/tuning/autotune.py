@@ -1,0 +1,112 @@
+"""Online bucket autotune: `DistributedDataParallel(model, bucket_cap_mb="auto")`.
+
+It starts with torch DDP's schedule, then, at forward time, every rank in step:
+  1. after WARMUP synced iterations: probes the link (a few all-reduces) and measures MEASURE
+     iterations of the current plan (step time = time between synced forwards, the slowest
+     rank's);
+  2. rank 0 builds a profile from its timeline, plans with the exact planner and a few caps,
+     and broadcasts the candidates predicted best;
+  3. each candidate is applied and measured for MEASURE iterations;
+  4. the fastest measured plan (the starting one included) is applied for good.
+Every decision is rank 0's, broadcast, so all ranks apply the same plans at the same forward.
+Plans only change which gradients share a bucket, never the arithmetic of a gradient, so the
+gradients are those of the untuned run (bit for bit with 2 ranks; with more, all-reduce
+summation order can follow the bucket layout, within float rounding). Decisions are logged
+(logger "pyreducer.autotune", and model.autotune_log) and each plan change shows as a new
+plan_version in the timeline.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch.distributed as dist
+
+from pyreducer.tuning import planner, stepmodel
+from pyreducer.tuning.linkmodel import probe_link
+
+logger = logging.getLogger("pyreducer.autotune")
+WARMUP, MEASURE, CAPS_MB = 3, 4, (1, 4, 16, 64)
+
+
+class AutoTuner:
+    def __init__(self):
+        self.phase = "warmup"
+        self.synced = 0
+        self.last_forward = None
+        self.samples: list[float] = []
+        self.candidates: list[tuple[str, list[list[int]]]] = []
+        self.measured: list[tuple[str, list[list[int]], float]] = []
+        self.log: list[dict] = []
+        self.link = None
+
+    def _note(self, model, event: str, **fields) -> None:
+        entry = dict(event=event, iteration=self.synced, **fields)
+        self.log.append(entry)
+        if dist.get_rank(model.process_group) == 0:
+            logger.info("%s", entry)
+
+    def _slowest(self, model, seconds: float) -> float:
+        import torch
+
+        t = torch.tensor([seconds])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=model.process_group)
+        return t.item()
+
+    def before_forward(self, model) -> None:
+        """Called at the start of every synced forward (grad enabled, sync on)."""
+        if self.phase == "done":
+            return
+        now = time.perf_counter()
+        if self.last_forward is not None and self.phase in ("measure_current", "measure"):
+            self.samples.append(self._slowest(model, now - self.last_forward))
+        self.synced += 1
+        if self.phase == "warmup" and self.synced > WARMUP:
+            self.link, _ = probe_link(model.process_group)
+            self._note(model, "link", latency_us=self.link.latency_s * 1e6,
+                       bandwidth_gbit=self.link.bandwidth_bytes_per_s * 8 / 1e9)
+            self.phase, self.samples = "measure_current", []
+        elif self.phase == "measure_current" and len(self.samples) >= MEASURE:
+            current = model.reducer.bucket_layout()
+            self.measured.append(("start", [b["param_indices"] for b in current],
+                                  statistics.median(self.samples)))
+            self.candidates = self._plan(model)
+            self._next_candidate(model)
+        elif self.phase == "measure" and len(self.samples) >= MEASURE:
+            name, plan = self.candidates.pop(0)
+            self.measured.append((name, plan, statistics.median(self.samples)))
+            self._note(model, "measured", plan=name, step_ms=self.measured[-1][2] * 1e3)
+            self._next_candidate(model)
+        # The step time is measured from here: time spent in the tuner itself is excluded.
+        self.last_forward = time.perf_counter()
+
+    def _plan(self, model) -> list[tuple[str, list[list[int]]]]:
+        """Rank 0 predicts; everyone receives its candidates."""
+        payload = [None]
+        if dist.get_rank(model.process_group) == 0:
+            profile = model.profile()
+            ranks = dist.get_world_size(model.process_group)
+            options = [("optimal", planner.best_plan(profile, self.link, ranks))]
+            options += [(f"cap {mb} MB", stepmodel.cap_plan(profile, [mb * 2**20]))
+                        for mb in CAPS_MB]
+            scored = sorted(options, key=lambda o: stepmodel.predict_step_ms(
+                profile, o[1], self.link, ranks))
+            payload = [[(name, plan, stepmodel.predict_step_ms(profile, plan, self.link, ranks))
+                        for name, plan in scored[:2]]]
+        dist.broadcast_object_list(payload, src=dist.get_global_rank(model.process_group, 0),
+                                   group=model.process_group)
+        for name, plan, predicted in payload[0]:
+            self._note(model, "candidate", plan=name, buckets=len(plan), predicted_ms=predicted)
+        return [(name, plan) for name, plan, _ in payload[0]]
+
+    def _next_candidate(self, model) -> None:
+        self.samples = []
+        if self.candidates:
+            model.apply_bucket_plan(self.candidates[0][1])
+            self.phase = "measure"
+            return
+        name, plan, seconds = min(self.measured, key=lambda m: m[2])
+        model.apply_bucket_plan(plan)
+        self.phase = "done"
+        self._note(model, "chosen", plan=name, step_ms=seconds * 1e3, buckets=len(plan))

@@ -1,0 +1,72 @@
+"""Link model: all-reduce time = latency + ring factor * bytes / bandwidth.
+
+A ring all-reduce over N ranks moves 2(N-1)/N of the buffer over each rank's link, so
+    time(bytes, N) = latency_s + 2(N-1)/N * bytes / bandwidth_bytes_per_s.
+`probe_link` measures a few message sizes on the live process group (all ranks must call it);
+`fit_link_model` fits the two numbers by least squares.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def allreduce_s(self, size_bytes: float, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        return self.latency_s + 2 * (ranks - 1) / ranks * size_bytes / self.bandwidth_bytes_per_s
+
+    @staticmethod
+    def from_rate(rate: str, latency_s: float = 50e-6) -> "LinkModel":
+        """A nominal link, e.g. "1gbit", "10gbit", "100gbit" (bits per second)."""
+        units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+        for unit, scale in units.items():
+            if rate.lower().endswith(unit):
+                return LinkModel(latency_s, float(rate[:-len(unit)]) * scale / 8)
+        raise ValueError(f"rate must look like 1gbit, 100mbit, ...; got {rate!r}")
+
+
+def fit_link_model(sizes_bytes, seconds, ranks: int) -> LinkModel:
+    """Least-squares fit of latency and bandwidth to measured all-reduce times."""
+    factor = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
+    x = np.asarray(sizes_bytes, dtype=float) * factor
+    y = np.asarray(seconds, dtype=float)
+    a = np.stack([np.ones_like(x), x], axis=1)
+    (latency, inverse_bandwidth), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if inverse_bandwidth <= 0:
+        raise ValueError(f"link fit failed: times do not grow with size ({list(y)})")
+    return LinkModel(max(0.0, float(latency)), float(1.0 / inverse_bandwidth))
+
+
+def probe_link(group=None, sizes_bytes=(1 << 18, 1 << 20, 1 << 22, 1 << 24), reps: int = 5,
+               device="cpu") -> tuple[LinkModel, dict]:
+    """Times all-reduces of a few sizes on `group` (collective) and fits the link model.
+
+    Returns (model, {size: median seconds}); times are the slowest rank's.
+    """
+    import torch
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size(group)
+    medians = {}
+    for size in sizes_bytes:
+        data = torch.ones(size // 4, device=device)
+        dist.all_reduce(data, group=group)  # warm-up
+        samples = []
+        for _ in range(reps):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            dist.all_reduce(data, group=group)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+            samples.append(elapsed.item())
+        medians[size] = statistics.median(samples)
+    return fit_link_model(list(medians), list(medians.values()), ranks), medians

@@ -1,0 +1,40 @@
+"""A rank for tests/test_netem.py: rendezvous over the emulated network, time an all-reduce of
+SIZE_MB, train two pyreducer steps, and (rank 0) write the results as JSON to argv[1]."""
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from pyreducer import DistributedDataParallel, models  # noqa: E402
+
+SIZE_MB = 4
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    data = torch.ones(SIZE_MB * 2**20 // 4)
+    dist.all_reduce(data)  # warm-up (connections)
+    dist.barrier()
+    start = time.perf_counter()
+    dist.all_reduce(data)
+    seconds = time.perf_counter() - start
+    spec = models.spec("mlp")
+    model = DistributedDataParallel(spec.build())
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        spec.loss(model, spec.batch(gen, 4)).backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    gathered = [torch.zeros_like(grads) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, grads)
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(dict(allreduce_s=seconds, sum_ok=bool(data[0].item() == 2 * dist.get_world_size()),
+                           grads_equal=all(torch.equal(g, gathered[0]) for g in gathered),
+                           interface=os.environ["GLOO_SOCKET_IFNAME"]), f)
+    dist.destroy_process_group()

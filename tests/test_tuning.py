@@ -1,0 +1,151 @@
+"""Bucket tuning: link and step models on hand-computed cases, the planner against brute force
+over all partitions, the simulator CLI, and (2 spawned ranks) plan_buckets/apply and autotune,
+whose gradients must equal the untuned run's bit for bit."""
+import copy
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pyreducer.tuning import (LinkModel, Profile, best_plan, brute_force_plan, fit_link_model,
+                              predict_step_ms)
+from pyreducer.tuning.stepmodel import bucket_done_ms, cap_plan
+
+
+def test_link_model_hand_computed():
+    link = LinkModel(latency_s=1e-3, bandwidth_bytes_per_s=1e9)
+    assert link.allreduce_s(1e6, 2) == pytest.approx(1e-3 + 1e6 / 1e9)  # ring factor 1
+    assert link.allreduce_s(1e6, 4) == pytest.approx(1e-3 + 1.5e6 / 1e9)  # 2(N-1)/N = 1.5
+    assert link.allreduce_s(1e6, 1) == 0.0
+    assert LinkModel.from_rate("10gbit").bandwidth_bytes_per_s == pytest.approx(1.25e9)
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    sizes = [2**18, 2**20, 2**22, 2**24]
+    truth = LinkModel(2e-4, 1.2e8)
+    fitted = fit_link_model(sizes, [truth.allreduce_s(s, 4) for s in sizes], 4)
+    assert fitted.latency_s == pytest.approx(2e-4, rel=1e-6)
+    assert fitted.bandwidth_bytes_per_s == pytest.approx(1.2e8, rel=1e-6)
+
+
+def test_step_model_hand_computed():
+    # ready at 1, 2, 10 ms; 1 MB each; link: 1 ms latency, 1 MB/ms (2 ranks: factor 1) -> 2 ms
+    profile = Profile(ready_ms=[1.0, 2.0, 10.0], size_bytes=[10**6] * 3, backward_ms=10.5,
+                      forward_ms=3.0, optimizer_ms=1.0)
+    link = LinkModel(1e-3, 1e9)
+    # one bucket per parameter: [1,3], [3,5], [10,12] -> last done 12
+    assert bucket_done_ms(profile, [[0], [1], [2]], link, 2) == pytest.approx([3.0, 5.0, 12.0])
+    assert predict_step_ms(profile, [[0], [1], [2]], link, 2) == pytest.approx(3 + 12 + 1)
+    # one bucket: ready at 10, 3 MB -> 1 + 3 = 4 ms -> done 14
+    assert predict_step_ms(profile, [[0, 1, 2]], link, 2) == pytest.approx(3 + 14 + 1)
+    # comm finished inside backward: the step is compute-bound
+    fast = LinkModel(0.0, 1e12)
+    assert predict_step_ms(profile, [[0], [1], [2]], fast, 2) == pytest.approx(3 + 10.5 + 1)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_planner_is_optimal_against_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    ready = sorted(rng.uniform(0, 50) for _ in range(n))
+    profile = Profile(ready_ms=ready, size_bytes=[rng.randint(1, 8) * 10**6 for _ in range(n)],
+                      backward_ms=ready[-1] + 1)
+    link = LinkModel(rng.choice([1e-5, 1e-3, 5e-3]), rng.choice([1e8, 1e9, 1e10]))
+    ranks = rng.choice([2, 4, 64])
+    plan = best_plan(profile, link, ranks)
+    assert sorted(i for b in plan for i in b) == list(range(n))
+    _, brute_ms = brute_force_plan(profile, link, ranks)
+    assert bucket_done_ms(profile, plan, link, ranks)[-1] == pytest.approx(brute_ms)
+
+
+def test_cap_plan_is_ddps_rebuild_plan():
+    profile = Profile(ready_ms=[5.0, 1.0, 3.0, 2.0], size_bytes=[400, 300, 200, 100],
+                      backward_ms=6.0)
+    # ready order 1, 3, 2, 0; caps 350 then 500: [1, 3] (400), then [2, 0] (600)
+    assert cap_plan(profile, [350, 500]) == [[1, 3], [2, 0]]
+
+
+def test_simulate_command(tmp_path):
+    profile = dict(ready_ms=[float(i) for i in range(1, 41)], size_bytes=[2**20] * 40,
+                   backward_ms=41.0, forward_ms=20.0, optimizer_ms=2.0,
+                   names=[f"p{i}" for i in range(40)], group_keys=["torch.float32/cpu"] * 40)
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    result = subprocess.run([sys.executable, "-m", "pyreducer", "simulate", "--profile",
+                             str(tmp_path), "--ranks", "2,8,64", "--link", "1gbit,100gbit"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "simulate.json").read_text())
+    assert len(rows) == 6 and (tmp_path / "simulate.png").stat().st_size > 5000
+    for row in rows:
+        assert row["best_ms"] <= row["ddp_default_ms"] + 1e-9
+        assert row["best_ms"] >= row["compute_ms"] - 1e-9
+    slow = [r["best_ms"] for r in rows if r["link"] == "1gbit"]
+    assert slow == sorted(slow)  # more ranks, more ring traffic per link
+
+
+def tuning_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel, models
+    from pyreducer.tuning import LinkModel
+
+    spec = models.spec("mlp")
+    torch.manual_seed(0)
+    base = spec.build()
+    out = {}
+    for key, kwargs in (("untuned", {}), ("auto", dict(bucket_cap_mb="auto"))):
+        model = DistributedDataParallel(copy.deepcopy(base), **kwargs)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(rank)
+        grads = []
+        for _ in range(18):
+            opt.zero_grad()
+            spec.loss(model, spec.batch(gen, 8)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+        out[key] = dict(grads=grads, log=model.autotune_log,
+                        versions=[r["plan_version"] for r in model.timeline(8)])
+    model = DistributedDataParallel(copy.deepcopy(base))
+    spec.loss(model, spec.batch(torch.Generator().manual_seed(rank), 8)).backward()
+    result = model.plan_buckets(link=LinkModel(1e-6, 1e8))
+    model.apply_bucket_plan(result["plan"])
+    spec.loss(model, spec.batch(torch.Generator().manual_seed(rank), 8)).backward()
+    out["planned"] = dict(result=result, applied=model.bucket_plan())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tuned(ranks_once):
+    return ranks_once(tuning_worker, 2, ())
+
+
+def test_autotune_keeps_gradients_exact(tuned):
+    for r in tuned:
+        for step, (a, b) in enumerate(zip(r["untuned"]["grads"], r["auto"]["grads"])):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}"
+
+
+def test_autotune_decides_logs_and_shows_in_timeline(tuned):
+    for r in tuned:
+        events = [e["event"] for e in r["auto"]["log"]]
+        assert events[0] == "link" and events[-1] == "chosen" and "measured" in events
+        assert len(set(r["auto"]["versions"])) >= 1 and max(r["auto"]["versions"]) >= 2
+    assert tuned[0]["auto"]["log"][-1]["plan"] == tuned[1]["auto"]["log"][-1]["plan"]
+
+
+def test_plan_buckets_predicts_and_applies(tuned):
+    for r in tuned:
+        result = r["planned"]["result"]
+        assert result["predicted_ms"] <= result["current_predicted_ms"] + 1e-9
+        assert result["predicted_ms"] <= result["ddp_default_predicted_ms"] + 1e-9
+        assert [b["params"] for b in r["planned"]["applied"]] == result["plan"]
+    assert tuned[0]["planned"]["result"] == tuned[1]["planned"]["result"]  # rank 0's, for all
+
+
+def test_planner_splits_when_overlap_pays():
+    """Zero latency, communication as long as backward: one bucket per gradient is optimal."""
+    profile = Profile(ready_ms=[1.0, 2.0, 3.0, 4.0], size_bytes=[10**6] * 4, backward_ms=4.0)
+    plan = best_plan(profile, LinkModel(0.0, 1e9), 2)  # 1 ms per MB
+    assert plan == [[0], [1], [2], [3]]
+    assert len(best_plan(profile, LinkModel(0.1, 1e9), 2)) == 1  # 100 ms latency: one bucket

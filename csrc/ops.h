@@ -21,14 +21,15 @@ void copy_scaled_into(at::Tensor& slot, const at::Tensor& grad, double scale);
 void copy_out_of_slot(at::Tensor& grad, const at::Tensor& slot, const at::Tensor& param);
 
 // Fused copy-in of a whole bucket: flat[offsets[k] : offsets[k] + grads[k].numel()] =
-// grads[k] / divisor, for every k, in one pass (the division rounds as torch DDP's batched copy
+// grads[k] / divisor in row-major (logical) order, for every k, in one pass (the division rounds as torch DDP's batched copy
 // does: copy, then divide). `flat` is 1-D contiguous; grads match its dtype and device and may
 // be non-contiguous (channels-last included). Dispatches on the device (CPU: parallel over
 // tensors; CUDA: one launch).
 void bucket_copy_in(at::Tensor& flat, const std::vector<at::Tensor>& grads,
                     const std::vector<int64_t>& offsets, double divisor);
 
-// Fused copy-out: grads[k] = flat[offsets[k] : ...] viewed in grads[k]'s shape.
+// Fused copy-out: grads[k] = flat[offsets[k] : ...] read in row-major order, viewed in grads[k]'s
+// shape. The Reducer uses both for parameters whose slot is row-major (contiguous parameters).
 void bucket_copy_out(const at::Tensor& flat, std::vector<at::Tensor>& grads,
                      const std::vector<int64_t>& offsets);
 

@@ -65,20 +65,24 @@ bool Reducer::rebuild_buckets() {
 
 void Reducer::copy_bucket_in(size_t b) {
   Bucket& bucket = set_.buckets[b];
+  const double divisor = comm_hook_ ? 1.0 : static_cast<double>(world_size_);
   std::vector<at::Tensor> grads;
   std::vector<int64_t> offsets;
   for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
     at::Tensor& grad = params_[bucket.param_indices[k]].mutable_grad();
+    at::Tensor& view = bucket.views[k];
     if (!grad.defined()) {
-      bucket.views[k].zero_();
-    } else if (grad.is_alias_of(bucket.views[k])) {
-      if (!comm_hook_) bucket.views[k].div_(world_size_);
-    } else {
+      view.zero_();
+    } else if (grad.is_alias_of(view)) {
+      if (!comm_hook_) view.div_(world_size_);
+    } else if (view.is_contiguous()) {  // the fused op writes slots in row-major order
       grads.push_back(grad);
       offsets.push_back(bucket.offsets[k]);
+    } else {  // a channels-last (or otherwise strided) parameter: its view defines the layout
+      at::div_out(view, grad, at::scalar_tensor(divisor, grad.options().dtype(at::kDouble)));
     }
   }
-  bucket_copy_in(bucket.flat, grads, offsets, comm_hook_ ? 1.0 : static_cast<double>(world_size_));
+  bucket_copy_in(bucket.flat, grads, offsets, divisor);
   if (options_.gradient_as_bucket_view) {
     for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
       at::Tensor& grad = params_[bucket.param_indices[k]].mutable_grad();
@@ -165,6 +169,8 @@ void Reducer::wait_and_copy_out() {
   }
   at::NoGradGuard no_grad;
   for (Bucket& bucket : set_.buckets) {
+    std::vector<at::Tensor> grads;  // defined gradients with row-major slots: one fused copy
+    std::vector<int64_t> offsets;
     for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
       const int64_t index = bucket.param_indices[k];
       if (globally_unused_[index]) continue;  // keeps its .grad as it was
@@ -172,10 +178,14 @@ void Reducer::wait_and_copy_out() {
       at::Tensor& grad = param.mutable_grad();
       if (options_.gradient_as_bucket_view) {
         if (!grad.defined()) grad = bucket.views[k];
+      } else if (grad.defined() && bucket.views[k].is_contiguous()) {
+        grads.push_back(grad);
+        offsets.push_back(bucket.offsets[k]);
       } else {
         copy_out_of_slot(grad, bucket.views[k], param);
       }
     }
+    bucket_copy_out(bucket.flat, grads, offsets);
   }
 }
 

@@ -21,6 +21,7 @@ from pyreducer import bucketing, sync
 from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.join import ReducerJoinHook, find_common_rank, vote_backward_sync
+from pyreducer.tuning.api import TuningMixin
 
 # Arguments of torch DDP that pyreducer does not serve yet: passing a non-default value raises
 # NotImplementedError naming the argument (nothing is ignored silently).
@@ -32,7 +33,7 @@ _NOT_YET = {
 }
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(TuningMixin, nn.Module, Joinable):
     """Data-parallel wrapper: averages gradients across ranks during backward.
 
     Arguments are torch DDP's (torch 2.13), with DDP's meaning and defaults; see
@@ -136,6 +137,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             if torch.is_grad_enabled():
                 self.reducer.rebuild_buckets()  # once, after the first synced backward
                 if self._autotune is not None and self.require_backward_grad_sync:
+                    if self._join_config.enable:
+                        raise NotImplementedError(
+                            "bucket_cap_mb='auto' cannot be combined with join(): joined ranks "
+                            "would not take part in the autotune's measurements")
                     self._autotune.before_forward(self)
             if self.require_forward_param_sync and self.forward_sync_buffers:
                 self._sync_buffers()
@@ -218,61 +223,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         recorded timeline (definitions: pyreducer.timeline)."""
         return timeline_module.overlap_stats(
             self.timeline(last if last is not None else 1 << 30))
-
-    # -- tuning (pyreducer.tuning) ----------------------------------------------------------------
-    @property
-    def autotune_log(self) -> list[dict]:
-        return self._autotune.log if self._autotune is not None else []
-
-    def profile(self, forward_ms: float = 0.0, optimizer_ms: float = 0.0, last: int = 3):
-        """This rank's step profile (gradient ready times, sizes) from the last iterations."""
-        from pyreducer.tuning.stepmodel import Profile
-
-        records = self.timeline(last)
-        if not records:
-            raise RuntimeError("profile(): no recorded iteration yet (run a synced step first, "
-                               "with timeline_iterations > 0)")
-        return Profile.from_timeline(records, [p.numel() * p.element_size() for p in self._params],
-                                     forward_ms, optimizer_ms,
-                                     [bucketing.group_key(p) for p in self._params])
-
-    def plan_buckets(self, link=None, forward_ms: float = 0.0, optimizer_ms: float = 0.0) -> dict:
-        """The plan that minimises the predicted step time, next to the current plan's and torch
-        DDP's default; call on every rank (probes the link unless `link` is given; rank 0's
-        answer is broadcast). Apply it with apply_bucket_plan(result["plan"]) or save it."""
-        from pyreducer.tuning import planner, stepmodel
-        from pyreducer.tuning.linkmodel import probe_link
-
-        if link is None:
-            link, _ = probe_link(self.process_group)
-        payload = [None]
-        if dist.get_rank(self.process_group) == 0:
-            ranks = dist.get_world_size(self.process_group)
-            prof = self.profile(forward_ms, optimizer_ms)
-            best = planner.best_plan(prof, link, ranks)
-            current = [b["param_indices"] for b in self.reducer.bucket_layout()]
-            default = stepmodel.cap_plan(prof, bucketing.caps_bytes(None, None))
-            names = self._param_names
-            payload = [dict(
-                plan=[[names[i] for i in b] for b in best],
-                predicted_ms=stepmodel.predict_step_ms(prof, best, link, ranks),
-                current_predicted_ms=stepmodel.predict_step_ms(prof, current, link, ranks),
-                ddp_default_predicted_ms=stepmodel.predict_step_ms(prof, default, link, ranks),
-                link=dict(latency_s=link.latency_s,
-                          bandwidth_bytes_per_s=link.bandwidth_bytes_per_s))]
-        dist.broadcast_object_list(payload, src=dist.get_global_rank(self.process_group, 0),
-                                   group=self.process_group)
-        return payload[0]
-
-    def apply_bucket_plan(self, plan) -> None:
-        """Uses `plan` (parameter indices or names per bucket, launch order) from now on; call on
-        every rank between iterations; rank 0's plan is the one applied."""
-        if plan and plan[0] and isinstance(plan[0][0], str):
-            plan = bucketing.plan_from_names(plan, self._param_names)
-        payload = [plan]
-        dist.broadcast_object_list(payload, src=dist.get_global_rank(self.process_group, 0),
-                                   group=self.process_group)
-        self.reducer.apply_plan(payload[0])
 
     def save_bucket_plan(self, path) -> None:
         """Writes bucket_plan() as JSON; pass the path as bucket_plan= to replay it."""

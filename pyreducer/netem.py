@@ -25,6 +25,7 @@ import subprocess
 import time
 
 SUBNET = "10.211.0"
+_instances = 0
 
 
 class NetemUnavailable(RuntimeError):
@@ -57,11 +58,17 @@ class EmulatedCluster:
             raise ValueError(f"hosts must be in 1..200, got {hosts}")
         self.hosts, self.port, self.burst, self.latency = hosts, port, burst, latency
         self.rate = None if rate in (None, "", "unlimited") else rate
-        self.prefix = f"pr{os.getpid() % 100000}"  # unique per run: runs never collide
+        global _instances
+        _instances += 1
+        # Unique per process and instance, so that runs never collide (NIC names <= 15 chars).
+        self.prefix = f"pr{os.getpid() % 100000}n{_instances % 100}"
         self.bridge_ns = f"{self.prefix}br"
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []
         self._old_sigterm = None
+
+    def namespaces(self) -> list[str]:
+        return [self.bridge_ns] + [self.host_ns(r) for r in range(self.hosts)]
 
     def host_ns(self, rank: int) -> str:
         return f"{self.prefix}h{rank}"

@@ -117,6 +117,9 @@ SCENARIOS = {
     "batched_grad_copy_views": dict(model="mlp", opt="sgd", micro=2, how="no_sync",
                                     ddp=dict(batched_grad_copy=True, bucket_cap_mb=0.3,
                                              gradient_as_bucket_view=True)),
+    "batched_grad_copy_channels_last": dict(model="cnn", opt="sgd", channels_last=True,
+                                            ddp=dict(batched_grad_copy=True)),
+    "channels_last": dict(model="cnn", opt="adam", channels_last=True),
     # mixed dtypes (float32 + float64 + bfloat16) and a frozen layer
     "mixed_dtypes_frozen": dict(model="mixed_dtypes", opt="sgd", ddp=dict(bucket_cap_mb=0.001)),
 }
@@ -172,6 +175,8 @@ def parity_worker(rank, world_size, names):
         scenario = SCENARIOS[name]
         torch.manual_seed(17 + rank)  # ranks start different: both wrappers must broadcast
         base = _model_fns(scenario["model"])[0]()
+        if scenario.get("channels_last"):
+            base = base.to(memory_format=torch.channels_last)
         torch_state, _ = _train(TorchDDP, base, scenario, rank)
         ours_state, ours = _train(DistributedDataParallel, base, scenario, rank)
         out[name] = dict(torch=torch_state, ours=ours_state, buckets=ours.bucket_plan(),

@@ -1,13 +1,17 @@
 #include "ops.h"
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/ScalarOps.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 namespace pyreducer {
@@ -66,8 +70,13 @@ void bucket_copy_in_cpu(at::Tensor& flat, const std::vector<at::Tensor>& grads,
         if (g.is_contiguous()) {
           const scalar_t* in = g.const_data_ptr<scalar_t>();
           scalar_t* dst = out + offsets[k];
-          for (int64_t i = 0; i < g.numel(); ++i) {
-            dst[i] = static_cast<scalar_t>(static_cast<opmath_t>(in[i]) / d);
+          if constexpr (std::is_same_v<scalar_t, opmath_t>) {  // float, double: SIMD division
+            using Vec = at::vec::Vectorized<scalar_t>;
+            at::vec::map([d](Vec x) { return x / Vec(d); }, dst, in, g.numel());
+          } else {  // float16, bfloat16: divide in float, round once
+            for (int64_t i = 0; i < g.numel(); ++i) {
+              dst[i] = static_cast<scalar_t>(static_cast<opmath_t>(in[i]) / d);
+            }
           }
         } else {  // strided (e.g. channels-last): ATen walks the strides
           at::Tensor slot = flat.narrow(0, offsets[k], g.numel()).view(g.sizes());
@@ -81,9 +90,16 @@ void bucket_copy_in_cpu(at::Tensor& flat, const std::vector<at::Tensor>& grads,
 void bucket_copy_out_cpu(const at::Tensor& flat, std::vector<at::Tensor>& grads,
                          const std::vector<int64_t>& offsets) {
   check_bucket_args(flat, grads, offsets, "pyreducer::bucket_copy_out");
+  const auto* src = static_cast<const char*>(flat.const_data_ptr());
+  const size_t element_bytes = flat.element_size();
   at::parallel_for(0, static_cast<int64_t>(grads.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
-      grads[k].copy_(flat.narrow(0, offsets[k], grads[k].numel()).view(grads[k].sizes()));
+      at::Tensor& g = grads[k];
+      if (g.is_contiguous()) {  // same dtype (checked): a plain memory copy
+        std::memcpy(g.data_ptr(), src + offsets[k] * element_bytes, g.numel() * element_bytes);
+      } else {
+        g.copy_(flat.narrow(0, offsets[k], g.numel()).view(g.sizes()));
+      }
     }
   });
 }

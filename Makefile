@@ -62,8 +62,9 @@ else
 cuda-check: $(CUDA_STAMP)
 	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="8.0;9.0" PYREDUCER_CUDA=1 \
 	    $(CUDA_VENV)/bin/python setup.py --quiet build_ext --build-lib $(CUDA_BUILD)/lib --build-temp $(CUDA_BUILD)/temp
-	rm -rf $(CUDA_BUILD)/pkg && mkdir -p $(CUDA_BUILD)/pkg/pyreducer
-	cp pyreducer/*.py $(CUDA_BUILD)/pkg/pyreducer/ && cp $(CUDA_BUILD)/lib/pyreducer/_C*.so $(CUDA_BUILD)/pkg/pyreducer/
+	rm -rf $(CUDA_BUILD)/pkg && mkdir -p $(CUDA_BUILD)/pkg
+	cp -r pyreducer $(CUDA_BUILD)/pkg/ && rm -f $(CUDA_BUILD)/pkg/pyreducer/_C*.so
+	cp $(CUDA_BUILD)/lib/pyreducer/_C*.so $(CUDA_BUILD)/pkg/pyreducer/
 	cd $(CUDA_BUILD)/pkg && $(abspath $(CUDA_VENV))/bin/python -c "import torch, pyreducer; \
 	    assert pyreducer._C.WITH_CUDA, 'built without CUDA kernels'; \
 	    print('cuda-check: pyreducer built with CUDA kernels against torch', torch.version.__version__, \

@@ -99,7 +99,7 @@ class PythonCommHook : public CommHook {
 // monotonic clock, 0 where an event did not happen.
 py::list timeline_records(const Reducer& reducer, size_t last) {
   return reducer.with_timeline(last, [](const std::vector<const IterationRecord*>& records,
-                                        const auto& plans) {
+                                        const auto& plans, DeviceTimeline* device) {
     py::list result;
     for (const IterationRecord* r : records) {
       py::dict entry;
@@ -122,6 +122,14 @@ py::list timeline_records(const Reducer& reducer, size_t last) {
         buckets.append(bucket);
       }
       entry["buckets"] = buckets;
+      if (device != nullptr) {  // CUDA builds on GPU: compiled, not run here
+        DeviceTimes times = device->read(r->slot, r->num_buckets);
+        py::dict d;
+        d["bucket_ready_ms"] = times.bucket_ready_ms;
+        d["bucket_done_ms"] = times.bucket_done_ms;
+        d["end_ms"] = times.end_ms;
+        entry["device"] = d;
+      }
       result.append(entry);
     }
     return result;

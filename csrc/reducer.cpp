@@ -81,6 +81,13 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
   plan_history_.push_back(initial_plan);
   adopt_grads_into_buckets();
   rebuild_pending_ = !options_.rebuild_caps_bytes.empty();
+  bool one_device = !params_.empty();
+  for (const at::Tensor& p : params_) one_device = one_device && p.device() == params_[0].device();
+  if (one_device) {
+    device_timeline_ = make_device_timeline(static_cast<int>(params_[0].device().type()),
+                                            params_[0].device().index(),
+                                            options_.timeline_iterations, params_.size());
+  }
   ready_order_.reserve(params_.size());
   if (!params_.empty()) {
     used_map_ = at::zeros({static_cast<int64_t>(params_.size())},
@@ -195,6 +202,7 @@ void Reducer::begin_backward() {
   backward_started_ = true;
   record_ = timeline_.begin(num_iterations_, static_cast<int64_t>(plan_history_.size()) - 1,
                             set_.buckets.size(), Timeline::now_ns());
+  if (record_ && device_timeline_) device_timeline_->begin(record_->slot);
   if (!finalize_queued_) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
     finalize_queued_ = true;
@@ -288,7 +296,10 @@ void Reducer::mark_ready(size_t index) {
   bucket.pending -= 1;
   if (bucket.pending == 0) {
     if (options_.batched_grad_copy) copy_bucket_in(location.bucket);
-    if (record_) record_->bucket_ready_ns[location.bucket] = Timeline::now_ns();
+    if (record_) {
+      record_->bucket_ready_ns[location.bucket] = Timeline::now_ns();
+      if (device_timeline_) device_timeline_->bucket_ready(record_->slot, location.bucket);
+    }
     if (location.bucket == next_bucket_) launch_ready_buckets();
   }
 }
@@ -339,6 +350,7 @@ void Reducer::finalize_backward() {
   if (record_) {
     record_->finalize_end_ns = Timeline::now_ns();
     record_->complete = true;
+    if (device_timeline_) device_timeline_->end(record_->slot);
   }
   reset_iteration();
 }

@@ -36,6 +36,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -121,12 +122,13 @@ class Reducer {
   int64_t world_size() const { return world_size_; }
   bool armed() const;
 
-  // Calls fn(records, plan_history) under the Reducer's lock: the last `last` completed
-  // iteration records, oldest first, and every bucket plan so far (index = plan_version).
+  // Calls fn(records, plan_history, device_timeline) under the Reducer's lock: the last `last`
+  // completed iteration records, oldest first, every bucket plan so far (index =
+  // plan_version), and the device-side timeline (null without one).
   template <typename Fn>
   auto with_timeline(size_t last, Fn&& fn) const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return fn(timeline_.completed(last), plan_history_);
+    return fn(timeline_.completed(last), plan_history_, device_timeline_.get());
   }
 
  private:
@@ -184,6 +186,7 @@ class Reducer {
   // Timeline (see Note [Timeline]).
   Timeline timeline_;
   IterationRecord* record_ = nullptr;  // this iteration's, while one is being recorded
+  std::unique_ptr<DeviceTimeline> device_timeline_;  // CUDA builds, CUDA parameters only
   std::vector<std::vector<std::vector<int64_t>>> plan_history_;  // [plan_version] -> plan
 
   // Bucket rebuild (see Note [Bucket rebuild]).

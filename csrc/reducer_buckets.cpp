@@ -138,6 +138,7 @@ void Reducer::wait_and_copy_out() {
     Bucket& bucket = set_.buckets[b];
     if (!bucket.future) {
       wait_or_throw(bucket.work, group_, "all-reduce of bucket " + std::to_string(b));
+      if (record_ && device_timeline_) device_timeline_->bucket_done(record_->slot, b);
       continue;
     }
     bucket.future->wait();
@@ -158,6 +159,7 @@ void Reducer::wait_and_copy_out() {
       at::NoGradGuard no_grad;
       bucket.flat.copy_(result.reshape({-1}));
     }
+    if (record_ && device_timeline_) device_timeline_->bucket_done(record_->slot, b);
   }
   if (record_) record_->wait_end_ns = Timeline::now_ns();
   if (used_map_work_) {

@@ -5,7 +5,9 @@
 namespace pyreducer {
 
 Timeline::Timeline(size_t capacity, size_t num_params) : slots_(capacity) {
-  for (IterationRecord& slot : slots_) {
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    IterationRecord& slot = slots_[i];
+    slot.slot = i;
     slot.grad_ready_ns.assign(num_params, 0);
     slot.bucket_ready_ns.assign(num_params, 0);
     slot.bucket_launch_ns.assign(num_params, 0);
@@ -31,6 +33,24 @@ IterationRecord* Timeline::begin(int64_t iteration, int64_t plan_version, size_t
     slot.bucket_done_ns[b].store(0, std::memory_order_relaxed);
   }
   return &slot;
+}
+
+namespace {
+DeviceTimelineFactory& device_timeline_factory() {
+  static DeviceTimelineFactory factory = nullptr;
+  return factory;
+}
+}  // namespace
+
+void register_device_timeline_factory(DeviceTimelineFactory factory) {
+  device_timeline_factory() = factory;
+}
+
+std::unique_ptr<DeviceTimeline> make_device_timeline(int device_type, int device_index,
+                                                     size_t slots, size_t max_buckets) {
+  DeviceTimelineFactory factory = device_timeline_factory();
+  if (factory == nullptr || slots == 0) return nullptr;
+  return factory(device_type, device_index, slots, max_buckets);
 }
 
 double measure_recording_cost_ns(size_t num_params, size_t num_buckets, size_t iterations) {

@@ -21,6 +21,7 @@
 namespace pyreducer {
 
 struct IterationRecord {
+  size_t slot = 0;           // index in the ring (see DeviceTimeline)
   int64_t iteration = -1;    // synced iteration number (1-based); -1: slot unused
   int64_t plan_version = 0;  // which bucket plan was in force (see Reducer::plan_history)
   bool complete = false;
@@ -57,6 +58,8 @@ class Timeline {
   // Completed records, oldest first, at most `last`. Caller holds the Reducer's mutex.
   std::vector<const IterationRecord*> completed(size_t last) const;
 
+  size_t capacity() const { return slots_.size(); }
+
  private:
   std::vector<IterationRecord> slots_;
   size_t next_ = 0;
@@ -66,5 +69,43 @@ class Timeline {
 // `num_buckets` buckets, measured over `iterations` simulated iterations (what the Reducer does
 // per iteration: begin, one stamp per gradient, three per bucket, five per iteration).
 double measure_recording_cost_ns(size_t num_params, size_t num_buckets, size_t iterations);
+
+}  // namespace pyreducer
+
+namespace pyreducer {
+
+// Device-side times (see Note [Timeline]): on GPU, events recorded in stream order at backward
+// start, when each bucket's copy-in is enqueued (ready), after the final wait for each bucket
+// (done: the current stream has waited for that collective), and after the copy back. Only CUDA
+// builds provide an implementation (cuda/cuda_timeline.cpp, compiled, not run here); elsewhere
+// no DeviceTimeline exists and only host times are recorded.
+struct DeviceTimes {
+  bool valid = false;
+  std::vector<float> bucket_ready_ms;  // since backward start, on the device
+  std::vector<float> bucket_done_ms;
+  float end_ms = 0;
+};
+
+class DeviceTimeline {
+ public:
+  virtual ~DeviceTimeline() = default;
+  // `slot` is an IterationRecord's index in the ring; `b` a bucket index. Autograd thread.
+  virtual void begin(size_t slot) = 0;
+  virtual void bucket_ready(size_t slot, size_t b) = 0;
+  virtual void bucket_done(size_t slot, size_t b) = 0;
+  virtual void end(size_t slot) = 0;
+  // Blocks until the slot's events completed, then reads them. Python thread.
+  virtual DeviceTimes read(size_t slot, size_t num_buckets) = 0;
+};
+
+// A CUDA build registers a factory at load time; make_device_timeline returns null for devices
+// (or builds) without one.
+using DeviceTimelineFactory = std::unique_ptr<DeviceTimeline> (*)(int device_type,
+                                                                  int device_index,
+                                                                  size_t slots,
+                                                                  size_t max_buckets);
+void register_device_timeline_factory(DeviceTimelineFactory factory);
+std::unique_ptr<DeviceTimeline> make_device_timeline(int device_type, int device_index,
+                                                     size_t slots, size_t max_buckets);
 
 }  // namespace pyreducer

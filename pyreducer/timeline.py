@@ -15,6 +15,10 @@
                        completed (from the work's future, on the communication thread)
 
 All times are nanoseconds on this host's monotonic clock (time.monotonic_ns's clock).
+On GPU (CUDA builds) a record also has `device`: {"bucket_ready_ms", "bucket_done_ms", "end_ms"},
+CUDA-event times since backward start in stream order (ready: the bucket's copy-in enqueued;
+done: the current stream has waited for its collective; end: gradients written back). That
+path is compiled, not run, on the CPU-only machines this was built on.
 
 `model.overlap_stats()` derives, per iteration and averaged (milliseconds):
 
@@ -54,7 +58,7 @@ def records(model, last: int = 1) -> list[dict]:
             wait_start_ns=raw["wait_start_ns"], wait_end_ns=raw["wait_end_ns"],
             finalize_end_ns=raw["finalize_end_ns"],
             grads=[dict(name=n, ready_ns=t) for n, t in zip(names, raw["grad_ready_ns"])],
-            buckets=buckets))
+            buckets=buckets, **({"device": raw["device"]} if "device" in raw else {})))
     return result
 
 

@@ -6,7 +6,8 @@ import sys
 import time
 from datetime import timedelta
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# Fallback only: a pyreducer on PYTHONPATH (e.g. make cuda-check's build) comes first.
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -3,6 +3,7 @@ over all partitions, the simulator CLI, and (2 spawned ranks) plan_buckets/apply
 whose gradients must equal the untuned run's bit for bit."""
 import copy
 import json
+import os
 import random
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import pyreducer
 from pyreducer.tuning import (LinkModel, Profile, best_plan, brute_force_plan, fit_link_model,
                               predict_step_ms)
 from pyreducer.tuning.stepmodel import bucket_done_ms, cap_plan
@@ -73,9 +75,12 @@ def test_simulate_command(tmp_path):
                    backward_ms=41.0, forward_ms=20.0, optimizer_ms=2.0,
                    names=[f"p{i}" for i in range(40)], group_keys=["torch.float32/cpu"] * 40)
     (tmp_path / "profile.json").write_text(json.dumps(profile))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # the pyreducer this test imported
+        [os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path))
     result = subprocess.run([sys.executable, "-m", "pyreducer", "simulate", "--profile",
                              str(tmp_path), "--ranks", "2,8,64", "--link", "1gbit,100gbit"],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                            env=env)
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "simulate.json").read_text())
     assert len(rows) == 6 and (tmp_path / "simulate.png").stat().st_size > 5000

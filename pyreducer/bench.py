@@ -53,17 +53,17 @@ def compare_worker(rank, world_size, model_name, steps, warmup, batch_size, buck
     out = {k: {"loss": [], "seconds": []} for k in wrapped}
     names = list(wrapped)
     for step in range(warmup + steps):
-        line = []
+        line = {}
         for name in names if step % 2 == 0 else names[::-1]:  # alternate who goes first
             model = wrapped[name]
             loss, seconds = _step(model, spec, opts[name], spec.batch(gens[name], batch_size))
             if step >= warmup:
                 out[name]["loss"].append(loss)
                 out[name]["seconds"].append(seconds)
-            line.append(f"{name} loss {loss:.5f} {seconds * 1e3:7.1f} ms")
+            line[name] = f"{name} loss {loss:.5f} {seconds * 1e3:7.1f} ms"
         if print_progress and rank == 0:
             tag = "warm-up" if step < warmup else f"step {step - warmup + 1:3d}/{steps}"
-            print(f"  [{tag}] " + " | ".join(line), flush=True)
+            print(f"  [{tag}] " + " | ".join(line[n] for n in names), flush=True)
     reference = list(wrapped.values())[0].module.parameters()
     reference = [p.detach() for p in reference]
     out["max_param_diff"] = max((a - b.detach()).abs().max().item()

@@ -1,4 +1,4 @@
-// The only code that talks to c10d::ProcessGroup and c10d::Work.
+// The only code that launches collectives on a c10d::ProcessGroup and waits on c10d::Work.
 #pragma once
 
 #include <atomic>

@@ -60,10 +60,13 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group, src: int = 0,
     if not tensors:
         return
     global_src = dist.get_global_rank(group, src) if group is not None else src
+    is_src = dist.get_rank() == global_src
     with torch.no_grad():
         for chunk in _chunks(tensors, chunk_bytes):
             flat = torch.cat([t.detach().reshape(-1) for t in chunk])
             dist.broadcast(flat, global_src, group=group)
+            if is_src:
+                continue  # its tensors already hold the values
             offset = 0
             for t in chunk:
                 t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))

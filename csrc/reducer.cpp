@@ -1,6 +1,7 @@
 #include "reducer.h"
 
 #include <stdexcept>
+#include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -32,18 +33,29 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   size_t index_;
 };
 
+// Live reducers by id: a graph (and its Sink) can outlive the wrapper that built it, so the
+// Sink looks its reducer up instead of holding a pointer that may dangle.
+std::mutex registry_mutex;
+std::unordered_map<int64_t, Reducer*>& registry() {
+  static std::unordered_map<int64_t, Reducer*> reducers;
+  return reducers;
+}
+int64_t next_reducer_id = 1;
+
 // Identity on the forward's outputs; its backward is the first node of the outer backward.
 // See Note [Reducer iteration].
 struct Sink : public torch::autograd::Function<Sink> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                at::TensorList outputs, int64_t reducer) {
+                                                at::TensorList outputs, int64_t reducer_id) {
     ctx->set_materialize_grads(false);  // unused outputs keep undefined gradients
-    ctx->saved_data["reducer"] = reducer;
+    ctx->saved_data["reducer_id"] = reducer_id;
     return outputs.vec();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    reinterpret_cast<Reducer*>(ctx->saved_data["reducer"].toInt())->on_backward_start();
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto found = registry().find(ctx->saved_data["reducer_id"].toInt());
+    if (found != registry().end()) found->second->on_backward_start();
     grads.emplace_back();  // no gradient for the reducer argument
     return grads;
   }
@@ -94,6 +106,11 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
                           at::TensorOptions().dtype(at::kInt).device(params_[0].device()));
   }
 
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    id_ = next_reducer_id++;
+    registry()[id_] = this;
+  }
   accumulators_.reserve(params_.size());
   hook_keys_.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -104,6 +121,10 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
 }
 
 Reducer::~Reducer() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    registry().erase(id_);
+  }
   for (size_t i = 0; i < accumulators_.size(); ++i) {
     accumulators_[i]->del_post_hook(hook_keys_[i]);
   }
@@ -158,7 +179,7 @@ std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tens
   }
   std::vector<at::Tensor> result = outputs;
   if (!with_grad.empty()) {
-    auto sunk = Sink::apply(at::TensorList(with_grad), reinterpret_cast<int64_t>(this));
+    auto sunk = Sink::apply(at::TensorList(with_grad), id_);
     for (size_t k = 0; k < positions.size(); ++k) result[positions[k]] = sunk[k];
   }
   return result;

@@ -154,6 +154,7 @@ class Reducer {
   BucketSet set_;
   ProcessGroupPtr group_;
   ReducerOptions options_;
+  int64_t id_ = 0;  // in the registry the output sink uses (reducer.cpp)
   int64_t world_size_ = 1;
   double grad_scale_ = 1.0;  // 1 / world_size
 

@@ -147,6 +147,22 @@ def _sequence_checks(results, rank):
     results["recovered"] = all(p.grad is not None for p in model.parameters())
 
 
+def _outlived_checks(results, rank):
+    """A graph that outlives its wrapper: backward must not touch the deleted reducer."""
+    import gc
+
+    from pyreducer import DistributedDataParallel, models
+
+    spec = models.spec("mlp")
+    module = spec.build()
+    model = DistributedDataParallel(module)
+    loss = spec.loss(model, spec.batch(torch.Generator().manual_seed(rank), 4))
+    del model
+    gc.collect()
+    loss.backward()  # local gradients only: the hooks went with the reducer
+    results["outlived_grads"] = all(p.grad is not None for p in module.parameters())
+
+
 def wrapper_worker(rank, world_size, tmp_dir):
     results = {}
     _state_dict_checks(results)
@@ -155,6 +171,7 @@ def wrapper_worker(rank, world_size, tmp_dir):
     _no_python_checks(results, rank)
     _plan_replay_checks(results, rank, tmp_dir)
     _sequence_checks(results, rank)
+    _outlived_checks(results, rank)
     return results
 
 
@@ -222,3 +239,7 @@ def test_second_backward_after_one_forward_is_an_error(wrapper):
         assert message is not None, "second backward passed silently"
         assert "second backward" in message and f"rank {rank}" in message
         assert r["recovered"]
+
+
+def test_graph_outliving_its_wrapper_is_safe(wrapper):
+    assert all(r["outlived_grads"] for r in wrapper)

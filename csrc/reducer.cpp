@@ -89,9 +89,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
   }
   world_size_ = group_->getSize();
   grad_scale_ = 1.0 / static_cast<double>(world_size_);
-  set_ = make_buckets(params_, param_names_, initial_plan);
-  plan_history_.push_back(initial_plan);
-  adopt_grads_into_buckets();
+  install_plan(initial_plan);
   rebuild_pending_ = !options_.rebuild_caps_bytes.empty();
   bool one_device = !params_.empty();
   for (const at::Tensor& p : params_) one_device = one_device && p.device() == params_[0].device();
@@ -116,6 +114,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
   for (size_t i = 0; i < params_.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
     hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<ReadyHook>(this, i)));
+    accumulator_nodes_.push_back(accumulator.get());
     accumulators_.push_back(std::move(accumulator));
   }
 }
@@ -158,9 +157,7 @@ std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tens
   finalized_since_forward_ = false;
   num_iterations_ += 1;
   if (dynamic_find_unused()) {
-    std::vector<torch::autograd::Node*> nodes;
-    for (const auto& accumulator : accumulators_) nodes.push_back(accumulator.get());
-    const std::vector<uint8_t> reached = reachable(outputs, nodes);
+    const std::vector<uint8_t> reached = reachable(outputs, accumulator_nodes_);
     unused_.clear();
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!reached[i]) unused_.push_back(i);

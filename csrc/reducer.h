@@ -144,6 +144,7 @@ class Reducer {
   void launch_used_map_allreduce();
   void wait_and_copy_out();
   void adopt_grads_into_buckets();
+  void install_plan(const std::vector<std::vector<int64_t>>& plan);  // rebuild or apply_plan
   void reset_iteration();
   std::string describe_unready(size_t max_names) const;
   void check_gradient(size_t index, const at::Tensor& grad, const at::Tensor& slot) const;
@@ -162,6 +163,7 @@ class Reducer {
 
   // Hooks: the accumulators are kept alive here (a parameter holds only a weak reference).
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<torch::autograd::Node*> accumulator_nodes_;  // the same, for graph walks
   std::vector<uintptr_t> hook_keys_;
 
   mutable std::mutex mutex_;

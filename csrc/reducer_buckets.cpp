@@ -55,11 +55,7 @@ bool Reducer::rebuild_buckets() {
   for (BucketSpec& spec : assign_buckets(specs, ready_order_, options_.rebuild_caps_bytes)) {
     plan.push_back(std::move(spec.param_indices));
   }
-  set_ = make_buckets(params_, param_names_, plan);
-  plan_history_.push_back(plan);
-  adopt_grads_into_buckets();  // see Note [Bucket rebuild]
-  rebuild_pending_ = false;
-  ready_order_.clear();
+  install_plan(plan);
   return true;
 }
 
@@ -211,11 +207,14 @@ void Reducer::apply_plan(const std::vector<std::vector<int64_t>>& plan) {
     throw std::runtime_error("pyreducer: a bucket plan can only be applied between iterations "
                              "(not between a synced forward and its backward)");
   }
-  BucketSet next = make_buckets(params_, param_names_, plan);  // validates before replacing
-  set_ = std::move(next);
+  install_plan(plan);
+}
+
+void Reducer::install_plan(const std::vector<std::vector<int64_t>>& plan) {
+  set_ = make_buckets(params_, param_names_, plan);  // validates before anything changes
   plan_history_.push_back(plan);
-  adopt_grads_into_buckets();
-  rebuild_pending_ = false;
+  adopt_grads_into_buckets();  // see Note [Bucket rebuild]
+  rebuild_pending_ = false;    // an explicit plan replaces the pending rebuild
   ready_order_.clear();
 }
 

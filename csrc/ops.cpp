@@ -16,8 +16,6 @@
 
 namespace pyreducer {
 
-namespace {
-
 void check_bucket_args(const at::Tensor& flat, const std::vector<at::Tensor>& grads,
                        const std::vector<int64_t>& offsets, const char* op) {
   TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), op,
@@ -34,8 +32,6 @@ void check_bucket_args(const at::Tensor& flat, const std::vector<at::Tensor>& gr
                 ") does not fit a bucket of ", flat.numel());
   }
 }
-
-}  // namespace
 
 void copy_scaled_into(at::Tensor& slot, const at::Tensor& grad, double scale) {
   at::Tensor factor = c10::scalar_to_tensor(at::Scalar(scale));

@@ -37,6 +37,12 @@ void bucket_copy_out(const at::Tensor& flat, std::vector<at::Tensor>& grads,
 // do not overflow float16. Returns a new contiguous 1-D tensor.
 at::Tensor cast_scaled(const at::Tensor& src, at::ScalarType dtype, double divisor);
 
+// Checks the arguments of bucket_copy_in/out (all devices): a 1-D contiguous bucket, one offset
+// per gradient, matching dtype and device, every slot inside the bucket. `op` names the op in
+// the error.
+void check_bucket_args(const at::Tensor& flat, const std::vector<at::Tensor>& grads,
+                       const std::vector<int64_t>& offsets, const char* op);
+
 // Per-device implementations, registered by the files that define them.
 void bucket_copy_in_cpu(at::Tensor& flat, const std::vector<at::Tensor>& grads,
                         const std::vector<int64_t>& offsets, double divisor);

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "../ops.h"
 #include "ops_cuda.h"
 
 namespace pyreducer {
@@ -11,19 +12,11 @@ namespace {
 
 void copy_in_cuda(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets,
                   double divisor) {
-  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "pyreducer::bucket_copy_in: expected a "
-              "1-D contiguous bucket, got shape ", flat.sizes());
-  TORCH_CHECK(grads.size() == offsets.size(), "pyreducer::bucket_copy_in: expected one offset "
-              "per gradient, got ", offsets.size(), " offsets for ", grads.size(), " gradients");
+  check_bucket_args(flat, grads.vec(), offsets.vec(), "pyreducer::bucket_copy_in");
   std::vector<at::Tensor> fused;
   std::vector<int64_t> fused_offsets;
   for (size_t k = 0; k < grads.size(); ++k) {
     const at::Tensor& g = grads[k];
-    TORCH_CHECK(g.scalar_type() == flat.scalar_type() && g.device() == flat.device(),
-                "pyreducer::bucket_copy_in: gradient ", k, " is ", g.scalar_type(), " on ",
-                g.device(), ", expected ", flat.scalar_type(), " on ", flat.device());
-    TORCH_CHECK(offsets[k] >= 0 && offsets[k] + g.numel() <= flat.numel(),
-                "pyreducer::bucket_copy_in: gradient ", k, " does not fit the bucket");
     if (g.is_contiguous()) {
       fused.push_back(g);
       fused_offsets.push_back(offsets[k]);
@@ -37,8 +30,7 @@ void copy_in_cuda(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef 
 }
 
 void copy_out_cuda(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets) {
-  TORCH_CHECK(grads.size() == offsets.size(), "pyreducer::bucket_copy_out: expected one offset "
-              "per gradient, got ", offsets.size(), " offsets for ", grads.size(), " gradients");
+  check_bucket_args(flat, grads.vec(), offsets.vec(), "pyreducer::bucket_copy_out");
   std::vector<at::Tensor> fused;
   std::vector<int64_t> fused_offsets;
   for (size_t k = 0; k < grads.size(); ++k) {

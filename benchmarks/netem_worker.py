@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from pyreducer import DistributedDataParallel, models  # noqa: E402
+from pyreducer.bench import summarize  # noqa: E402
 
 VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto")
 AUTO_WARMUP = 20  # autotune needs ~15 synced iterations to decide
@@ -118,11 +119,6 @@ def comm_only_ms(base, reps=5) -> float:
     return statistics.median(samples)
 
 
-def summarize(ms):
-    q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
-    return dict(median_ms=statistics.median(ms), p25_ms=q[0], p75_ms=q[2], n=len(ms))
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -176,7 +172,7 @@ def main():
                         split.append((fwd * 1e3, bwd * 1e3, opt_step * 1e3))
                 log(f"cap {cap if cap is not None else 'default'} MB round {r + 1}/{args.rounds} {v:9s} "
                     f"median {statistics.median(times[v][-args.steps:]):8.1f} ms")
-        entry = {v: summarize(times[v]) for v in variants}
+        entry = {v: summarize([t / 1e3 for t in times[v]]) for v in variants}
         if split:
             fwd, bwd, opt_step = (statistics.median(x) for x in zip(*split))
             entry["compute_split_ms"] = dict(forward=fwd, backward=bwd, step=opt_step)

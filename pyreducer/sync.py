@@ -50,6 +50,13 @@ def verify_same_plan(plan: list[list[int]], group) -> None:
                              f"{rank} has {len(theirs)}); every rank must replay the same plan.")
 
 
+def from_rank0(obj, group):
+    """Rank 0's `obj` (any picklable value) on every rank of `group`; collective."""
+    payload = [obj]
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+    return payload[0]
+
+
 def broadcast_coalesced(tensors: list[torch.Tensor], group, src: int = 0,
                         chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
     """Overwrites `tensors` on every rank with rank `src`'s values.

@@ -3,7 +3,6 @@ parameter and rank) promptly, on 2 spawned Gloo ranks, every run bounded in wall
 import os
 import time
 
-import pytest
 import torch
 from torch import nn
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from pyreducer import bucketing
+from pyreducer import bucketing, sync
 
 
 class TuningMixin:
@@ -34,7 +34,7 @@ class TuningMixin:
 
         if link is None:
             link, _ = probe_link(self.process_group)
-        payload = [None]
+        result = None
         if dist.get_rank(self.process_group) == 0:
             ranks = dist.get_world_size(self.process_group)
             prof = self.profile(forward_ms, optimizer_ms)
@@ -42,24 +42,19 @@ class TuningMixin:
             current = [b["param_indices"] for b in self.reducer.bucket_layout()]
             default = stepmodel.cap_plan(prof, bucketing.caps_bytes(None, None))
             names = self._param_names
-            payload = [dict(
+            result = dict(
                 plan=[[names[i] for i in b] for b in best],
                 predicted_ms=stepmodel.predict_step_ms(prof, best, link, ranks),
                 current_predicted_ms=stepmodel.predict_step_ms(prof, current, link, ranks),
                 ddp_default_predicted_ms=stepmodel.predict_step_ms(prof, default, link, ranks),
                 link=dict(latency_s=link.latency_s,
-                          bandwidth_bytes_per_s=link.bandwidth_bytes_per_s))]
-        dist.broadcast_object_list(payload, src=dist.get_global_rank(self.process_group, 0),
-                                   group=self.process_group)
-        return payload[0]
+                          bandwidth_bytes_per_s=link.bandwidth_bytes_per_s))
+        return sync.from_rank0(result, self.process_group)
 
     def apply_bucket_plan(self, plan) -> None:
         """Uses `plan` (parameter indices or names per bucket, launch order) from now on; call on
         every rank between iterations; rank 0's plan is the one applied."""
         if plan and plan[0] and isinstance(plan[0][0], str):
             plan = bucketing.plan_from_names(plan, self._param_names)
-        payload = [plan]
-        dist.broadcast_object_list(payload, src=dist.get_global_rank(self.process_group, 0),
-                                   group=self.process_group)
-        self.reducer.apply_plan(payload[0])
+        self.reducer.apply_plan(sync.from_rank0(plan, self.process_group))
 

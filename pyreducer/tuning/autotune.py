@@ -23,6 +23,7 @@ import time
 
 import torch.distributed as dist
 
+from pyreducer import sync
 from pyreducer.tuning import planner, stepmodel
 from pyreducer.tuning.linkmodel import probe_link
 
@@ -83,7 +84,7 @@ class AutoTuner:
 
     def _plan(self, model) -> list[tuple[str, list[list[int]]]]:
         """Rank 0 predicts; everyone receives its candidates."""
-        payload = [None]
+        candidates = None
         if dist.get_rank(model.process_group) == 0:
             profile = model.profile()
             ranks = dist.get_world_size(model.process_group)
@@ -92,13 +93,12 @@ class AutoTuner:
                         for mb in CAPS_MB]
             scored = sorted(options, key=lambda o: stepmodel.predict_step_ms(
                 profile, o[1], self.link, ranks))
-            payload = [[(name, plan, stepmodel.predict_step_ms(profile, plan, self.link, ranks))
-                        for name, plan in scored[:2]]]
-        dist.broadcast_object_list(payload, src=dist.get_global_rank(model.process_group, 0),
-                                   group=model.process_group)
-        for name, plan, predicted in payload[0]:
+            candidates = [(name, plan, stepmodel.predict_step_ms(profile, plan, self.link, ranks))
+                          for name, plan in scored[:2]]
+        candidates = sync.from_rank0(candidates, model.process_group)
+        for name, plan, predicted in candidates:
             self._note(model, "candidate", plan=name, buckets=len(plan), predicted_ms=predicted)
-        return [(name, plan) for name, plan, _ in payload[0]]
+        return [(name, plan) for name, plan, _ in candidates]
 
     def _next_candidate(self, model) -> None:
         self.samples = []

@@ -143,6 +143,8 @@ class Reducer {
   void copy_bucket_in(size_t b);  // batched_grad_copy: the whole bucket at once
   void launch_used_map_allreduce();
   void wait_and_copy_out();
+  void wait_bucket(size_t b);      // its result is in bucket.flat afterwards
+  void copy_out_bucket(size_t b);  // bucket.flat into param.grad (see Note [Reducer iteration])
   void adopt_grads_into_buckets();
   void install_plan(const std::vector<std::vector<int64_t>>& plan);  // rebuild or apply_plan
   void reset_iteration();

@@ -129,14 +129,30 @@ void Reducer::launch_used_map_allreduce() {
 }
 
 void Reducer::wait_and_copy_out() {
+  // Bucket b is written back while buckets b+1.. are still in flight (as torch DDP does), except
+  // with find_unused_parameters: which parameters keep their .grad is known only from the
+  // used-map all-reduce, launched after the last bucket.
+  const bool copy_as_done = !used_map_work_;
   if (record_) record_->wait_start_ns = Timeline::now_ns();
   for (size_t b = 0; b < set_.buckets.size(); ++b) {
-    Bucket& bucket = set_.buckets[b];
-    if (!bucket.future) {
-      wait_or_throw(bucket.work, group_, "all-reduce of bucket " + std::to_string(b));
-      if (record_ && device_timeline_) device_timeline_->bucket_done(record_->slot, b);
-      continue;
-    }
+    wait_bucket(b);
+    if (copy_as_done) copy_out_bucket(b);
+  }
+  if (record_) record_->wait_end_ns = Timeline::now_ns();
+  if (copy_as_done) return;
+  wait_or_throw(used_map_work_, group_, "all-reduce of the used-parameter map");
+  used_map_work_.reset();
+  const at::Tensor used = used_map_.cpu();
+  const int32_t* data = used.data_ptr<int32_t>();
+  for (size_t i = 0; i < params_.size(); ++i) globally_unused_[i] = data[i] == 0;
+  for (size_t b = 0; b < set_.buckets.size(); ++b) copy_out_bucket(b);
+}
+
+void Reducer::wait_bucket(size_t b) {
+  Bucket& bucket = set_.buckets[b];
+  if (!bucket.future) {
+    wait_or_throw(bucket.work, group_, "all-reduce of bucket " + std::to_string(b));
+  } else {
     bucket.future->wait();
     if (bucket.future->hasError()) {
       throw std::runtime_error("pyreducer: communication hook " + comm_hook_->name() +
@@ -155,36 +171,30 @@ void Reducer::wait_and_copy_out() {
       at::NoGradGuard no_grad;
       bucket.flat.copy_(result.reshape({-1}));
     }
-    if (record_ && device_timeline_) device_timeline_->bucket_done(record_->slot, b);
   }
-  if (record_) record_->wait_end_ns = Timeline::now_ns();
-  if (used_map_work_) {
-    wait_or_throw(used_map_work_, group_, "all-reduce of the used-parameter map");
-    used_map_work_.reset();
-    const at::Tensor used = used_map_.cpu();
-    const int32_t* data = used.data_ptr<int32_t>();
-    for (size_t i = 0; i < params_.size(); ++i) globally_unused_[i] = data[i] == 0;
-  }
+  if (record_ && device_timeline_) device_timeline_->bucket_done(record_->slot, b);
+}
+
+void Reducer::copy_out_bucket(size_t b) {
   at::NoGradGuard no_grad;
-  for (Bucket& bucket : set_.buckets) {
-    std::vector<at::Tensor> grads;  // defined gradients with row-major slots: one fused copy
-    std::vector<int64_t> offsets;
-    for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
-      const int64_t index = bucket.param_indices[k];
-      if (globally_unused_[index]) continue;  // keeps its .grad as it was
-      at::Tensor& param = params_[index];
-      at::Tensor& grad = param.mutable_grad();
-      if (options_.gradient_as_bucket_view) {
-        if (!grad.defined()) grad = bucket.views[k];
-      } else if (grad.defined() && bucket.views[k].is_contiguous()) {
-        grads.push_back(grad);
-        offsets.push_back(bucket.offsets[k]);
-      } else {
-        copy_out_of_slot(grad, bucket.views[k], param);
-      }
+  Bucket& bucket = set_.buckets[b];
+  std::vector<at::Tensor> grads;  // defined gradients with row-major slots: one fused copy
+  std::vector<int64_t> offsets;
+  for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
+    const int64_t index = bucket.param_indices[k];
+    if (globally_unused_[index]) continue;  // keeps its .grad as it was
+    at::Tensor& param = params_[index];
+    at::Tensor& grad = param.mutable_grad();
+    if (options_.gradient_as_bucket_view) {
+      if (!grad.defined()) grad = bucket.views[k];
+    } else if (grad.defined() && bucket.views[k].is_contiguous()) {
+      grads.push_back(grad);
+      offsets.push_back(bucket.offsets[k]);
+    } else {
+      copy_out_of_slot(grad, bucket.views[k], param);
     }
-    bucket_copy_out(bucket.flat, grads, offsets);
   }
+  bucket_copy_out(bucket.flat, grads, offsets);
 }
 
 void Reducer::adopt_grads_into_buckets() {

@@ -7,7 +7,9 @@
 //   bucket ready    the bucket's last slot was filled; launch: its all-reduce was issued;
 //   bucket done     the all-reduce's future completed (set from the communication thread);
 //   backward_end    the end-of-backward callback started (autograd's compute is over);
-//   wait_start/end  around the final wait for all buckets; finalize_end: gradients written back.
+//   wait_start/end  around the final wait for all buckets (without find_unused_parameters, bucket
+//                   b is written back inside it, while later buckets are still in flight);
+//                   finalize_end: all gradients written back.
 // Slots are allocated once, sized for the worst case (one bucket per parameter), so recording
 // allocates nothing after construction, also across a bucket rebuild.
 #pragma once

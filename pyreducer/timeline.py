@@ -7,7 +7,8 @@
     rank               this rank in the model's process group
     backward_start_ns  outer backward began (the output sink's backward ran)
     backward_end_ns    autograd's compute ended (the end-of-backward callback started)
-    wait_start_ns, wait_end_ns   the final wait for all buckets
+    wait_start_ns, wait_end_ns   the final wait for all buckets (without find_unused_parameters
+                       it includes writing back earlier buckets while later ones are in flight)
     finalize_end_ns    averaged gradients written into param.grad
     grads              [{"name", "ready_ns"}] per parameter, parameter order (0: no gradient)
     buckets            [{"index", "params", "size_bytes", "ready_ns", "launch_ns", "done_ns"}]
@@ -28,7 +29,7 @@ path is compiled, not run, on the CPU-only machines this was built on.
     hidden_comm_ms     the part of that union inside [backward_start, backward_end]
     exposed_comm_ms    max(0, last done - backward_end): communication left after compute
     overlap_fraction   hidden_comm_ms / comm_busy_ms (1.0: all communication hidden)
-    wait_ms            wait_end - wait_start: what the final wait actually blocked
+    wait_ms            wait_end - wait_start: the final wait (with earlier buckets' write-back)
     last_bucket_bound_ms  the last bucket's own all-reduce time, done_last -
                        max(launch_last, done of the bucket before): no schedule can expose less
                        than this, since that bucket cannot start before its last gradient

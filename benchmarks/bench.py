@@ -8,8 +8,10 @@ after a check that the communicating ones end with the same parameters. Variants
   per_param  after backward, one all-reduce per gradient (the classic tutorial)
   flat       after backward, one flat all-reduce of all gradients (no overlap; Apex delay_allreduce)
   torch      torch DDP at the same bucket cap;  pyreducer  pyreducer at that cap
-  auto       pyreducer with bucket_cap_mb="auto" (online autotune, 20 warm-up steps)
-Step time = the slowest rank's. Overlap bound = forward + max(backward, comm) + step, with comm
+  auto       pyreducer with bucket_cap_mb="auto" (online autotune, 30 warm-up steps)
+Step time = the slowest rank's. By default each round runs every variant for --steps steps in
+turn; --interleave alternates them step by step (order reversed every step), so that the ratio to
+torch DDP comes from adjacent, paired steps, with a bootstrap 95% interval. Overlap bound = forward + max(backward, comm) + step, with comm
 the measured time of one flat all-reduce of all gradients on this network.
 
     python benchmarks/bench.py --link 1gbit --nproc 2 --model transformer --impl all --json out.json
@@ -43,6 +45,8 @@ def run_one(model, link, nproc, variants, caps, args) -> dict:
                 "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--out", out]
         if args.batch:
             argv += ["--batch", str(args.batch)]
+        if args.interleave:
+            argv += ["--interleave"]
         start = time.monotonic()
         print(f"== {model}, {nproc} hosts, link {link}, caps {caps} MB", flush=True)
         with EmulatedCluster(nproc, link, port=29511 + os.getpid() % 1000) as cluster:
@@ -83,6 +87,10 @@ def table(result) -> str:
             vs_bound = f"{e['median_ms'] / bound:.3f}" if bound and variant != "compute" else "-"
             lines.append(f"    {variant:10s} {e['median_ms']:10.1f} [{e['p25_ms']:7.1f}, "
                          f"{e['p75_ms']:7.1f}] {ratio:>12s} {vs_bound:>8s}")
+        for variant, paired in entry.get("paired_vs_torch", {}).items():
+            lines.append(f"    {variant} / torch DDP, paired steps: {paired['ratio']:.3f} "
+                         f"(95% CI {paired['ci95'][0]:.3f}-{paired['ci95'][1]:.3f}, "
+                         f"{paired['n']} pairs)")
         if bound:
             s = entry["compute_split_ms"]
             lines.append(f"    bound = forward {s['forward']:.1f} + max(backward {s['backward']:.1f},"
@@ -97,7 +105,8 @@ def environment(args):
                 cores=os.cpu_count(), machine=platform.machine(), backend="gloo",
                 emulation="network namespaces + bridge, tc tbf per host NIC (no latency model)",
                 threads_per_rank=1, date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                steps=args.steps, rounds=args.rounds, warmup=args.warmup)
+                steps=args.steps, rounds=args.rounds, warmup=args.warmup,
+                interleave=args.interleave)
 
 
 def plot_sweep(results, path):
@@ -136,6 +145,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--interleave", action="store_true",
+                        help="alternate the variants every step instead of every round; adds "
+                             "paired ratios to torch DDP with 95%% bootstrap intervals")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json")

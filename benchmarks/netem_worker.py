@@ -21,10 +21,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from pyreducer import DistributedDataParallel, models  # noqa: E402
-from pyreducer.bench import summarize  # noqa: E402
+from pyreducer.bench import paired_ratio, summarize  # noqa: E402
 
 VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto")
-AUTO_WARMUP = 20  # autotune needs ~15 synced iterations to decide
+AUTO_WARMUP = 30  # autotune decides after ~24 synced iterations
 
 
 class Plain:
@@ -127,6 +127,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--interleave", action="store_true",
+                        help="alternate variants every step (paired ratios with bootstrap CIs)")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -161,18 +163,30 @@ def main():
         for v in variants:
             for _ in range(AUTO_WARMUP if v == "auto" else args.warmup):
                 step(built[v], spec, opts[v], spec.batch(gens[v], batch_size))
+        def timed_step(v):
+            batch = spec.batch(gens[v], batch_size)
+            dist.barrier()
+            fwd, bwd, opt_step = step(built[v], spec, opts[v], batch)
+            times[v].append(slowest(fwd + bwd + opt_step) * 1e3)
+            if v == "compute":
+                split.append((fwd * 1e3, bwd * 1e3, opt_step * 1e3))
+
         for r in range(args.rounds):
-            for v in variants:
-                for _ in range(args.steps):
-                    batch = spec.batch(gens[v], batch_size)
-                    dist.barrier()
-                    fwd, bwd, opt_step = step(built[v], spec, opts[v], batch)
-                    times[v].append(slowest(fwd + bwd + opt_step) * 1e3)
-                    if v == "compute":
-                        split.append((fwd * 1e3, bwd * 1e3, opt_step * 1e3))
-                log(f"cap {cap if cap is not None else 'default'} MB round {r + 1}/{args.rounds} {v:9s} "
-                    f"median {statistics.median(times[v][-args.steps:]):8.1f} ms")
+            if args.interleave:  # one step of each variant in turn, order reversed every step
+                for s in range(args.steps):
+                    for v in (variants if s % 2 == 0 else variants[::-1]):
+                        timed_step(v)
+            else:
+                for v in variants:
+                    for _ in range(args.steps):
+                        timed_step(v)
+            log(f"cap {cap if cap is not None else 'default'} MB round {r + 1}/{args.rounds}: "
+                + ", ".join(f"{v} {statistics.median(times[v][-args.steps:]):.1f}"
+                            for v in variants) + " ms (medians)")
         entry = {v: summarize([t / 1e3 for t in times[v]]) for v in variants}
+        if args.interleave and "torch" in times:
+            entry["paired_vs_torch"] = {v: paired_ratio(times[v], times["torch"])
+                                        for v in variants if v not in ("torch", "compute")}
         if split:
             fwd, bwd, opt_step = (statistics.median(x) for x in zip(*split))
             entry["compute_split_ms"] = dict(forward=fwd, backward=bwd, step=opt_step)

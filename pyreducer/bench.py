@@ -82,3 +82,22 @@ def summarize(seconds: list[float]) -> dict:
     quartiles = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0]] * 3
     return dict(median_ms=statistics.median(ms), p25_ms=quartiles[0], p75_ms=quartiles[2],
                 min_ms=ms[0], max_ms=ms[-1], n=len(ms))
+
+
+def paired_ratio(numerator_ms: list[float], denominator_ms: list[float], reps: int = 2000,
+                 seed: int = 0) -> dict:
+    """Ratio of medians of two paired series (entry i of each measured side by side), with a
+    95% bootstrap interval: pairs are resampled together, so drifts that hit both alike cancel.
+    """
+    import numpy as np
+
+    a, b = np.asarray(numerator_ms, dtype=float), np.asarray(denominator_ms, dtype=float)
+    if a.shape != b.shape or a.size < 2:
+        raise ValueError(f"paired_ratio needs two series of equal length >= 2, got {a.size} "
+                         f"and {b.size}")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, a.size, size=(reps, a.size))
+    samples = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+    low, high = np.quantile(samples, [0.025, 0.975])
+    return dict(ratio=float(np.median(a) / np.median(b)), ci95=[float(low), float(high)],
+                pair_ratio_median=float(np.median(a / b)), n=int(a.size))

@@ -4,8 +4,9 @@ It starts with torch DDP's schedule, then, at forward time, every rank in step:
   1. after WARMUP synced iterations: probes the link (a few all-reduces) and measures MEASURE
      iterations of the current plan (step time = time between synced forwards, the slowest
      rank's);
-  2. rank 0 builds a profile from its timeline, plans with the exact planner and a few caps,
-     and broadcasts the candidates predicted best;
+  2. rank 0 builds a profile from its timeline, plans with the exact planner and a ladder of
+     caps, and broadcasts the TOP distinct plans predicted best (the step model ranks plans
+     well but not exactly, so the choice among near-equal plans is left to measurement);
   3. each candidate is applied and measured for MEASURE iterations;
   4. the fastest measured plan (the starting one included) is applied for good.
 Every decision is rank 0's, broadcast, so all ranks apply the same plans at the same forward.
@@ -28,7 +29,7 @@ from pyreducer.tuning import planner, stepmodel
 from pyreducer.tuning.linkmodel import probe_link
 
 logger = logging.getLogger("pyreducer.autotune")
-WARMUP, MEASURE, CAPS_MB = 3, 4, (1, 4, 16, 64)
+WARMUP, MEASURE, TOP, CAPS_MB = 3, 4, 4, (0.5, 1, 2, 4, 16, 64)
 
 
 class AutoTuner:
@@ -89,12 +90,16 @@ class AutoTuner:
             profile = model.profile()
             ranks = dist.get_world_size(model.process_group)
             options = [("optimal", planner.best_plan(profile, self.link, ranks))]
-            options += [(f"cap {mb} MB", stepmodel.cap_plan(profile, [mb * 2**20]))
+            options += [(f"cap {mb} MB", stepmodel.cap_plan(profile, [int(mb * 2**20)]))
                         for mb in CAPS_MB]
             scored = sorted(options, key=lambda o: stepmodel.predict_step_ms(
                 profile, o[1], self.link, ranks))
+            distinct = []
+            for name, plan in scored:
+                if all(plan != other for _, other in distinct):
+                    distinct.append((name, plan))
             candidates = [(name, plan, stepmodel.predict_step_ms(profile, plan, self.link, ranks))
-                          for name, plan in scored[:2]]
+                          for name, plan in distinct[:TOP]]
         candidates = sync.from_rank0(candidates, model.process_group)
         for name, plan, predicted in candidates:
             self._note(model, "candidate", plan=name, buckets=len(plan), predicted_ms=predicted)

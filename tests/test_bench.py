@@ -1,0 +1,35 @@
+"""The benchmark statistics in pyreducer.bench (summaries and paired ratios)."""
+import numpy as np
+import pytest
+
+from pyreducer.bench import paired_ratio, summarize
+
+
+def test_paired_ratio_of_a_constant_factor_is_exact():
+    base = [100.0, 120.0, 90.0, 300.0, 110.0]
+    result = paired_ratio([1.1 * x for x in base], base)
+    assert result["ratio"] == pytest.approx(1.1)
+    assert result["ci95"] == pytest.approx([1.1, 1.1])
+    assert result["n"] == 5
+
+
+def test_paired_ratio_interval_covers_the_truth_and_pairing_cancels_drift():
+    rng = np.random.default_rng(1)
+    drift = np.linspace(100.0, 200.0, 200)  # both series slow down alike over time
+    a = drift * 0.97 * rng.normal(1.0, 0.01, 200)
+    b = drift * rng.normal(1.0, 0.01, 200)
+    result = paired_ratio(list(a), list(b))
+    low, high = result["ci95"]
+    assert low <= 0.97 <= high and high < 1.0, result
+    assert result["pair_ratio_median"] == pytest.approx(0.97, abs=0.005)
+
+
+def test_paired_ratio_rejects_unpaired_series():
+    with pytest.raises(ValueError, match="equal length"):
+        paired_ratio([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
+def test_summarize_reports_milliseconds():
+    s = summarize([0.010, 0.020, 0.030])
+    assert s["median_ms"] == pytest.approx(20.0) and s["n"] == 3
+    assert s["min_ms"] == pytest.approx(10.0) and s["max_ms"] == pytest.approx(30.0)

@@ -96,6 +96,10 @@ def table(result) -> str:
             lines.append(f"    bound = forward {s['forward']:.1f} + max(backward {s['backward']:.1f},"
                          f" comm {result['comm_only_ms']:.1f}) + step {s['step']:.1f} = "
                          f"{bound:.1f} ms")
+        if "backward_under_comm_ms" in entry:
+            lines.append(f"    backward while a flat all-reduce runs: "
+                         f"{entry['backward_under_comm_ms']:.1f} ms; bound with it: "
+                         f"{entry['contended_bound_ms']:.1f} ms")
     return "\n".join(lines)
 
 

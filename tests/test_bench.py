@@ -33,3 +33,33 @@ def test_summarize_reports_milliseconds():
     s = summarize([0.010, 0.020, 0.030])
     assert s["median_ms"] == pytest.approx(20.0) and s["n"] == 3
     assert s["min_ms"] == pytest.approx(10.0) and s["max_ms"] == pytest.approx(30.0)
+
+
+def _tables():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "tables.py"
+    spec = importlib.util.spec_from_file_location("bench_tables", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tables_render_ratios_bounds_and_sweeps():
+    def entry(torch_ms, ours_ms):
+        return {"compute": summarize([0.05]), "torch": summarize([torch_ms / 1e3]),
+                "pyreducer": summarize([ours_ms / 1e3]), "bound_ms": 80.0,
+                "compute_split_ms": {"forward": 20.0, "backward": 40.0, "step": 1.0},
+                "backward_under_comm_ms": 50.0, "contended_bound_ms": 90.0,
+                "paired_vs_torch": {"pyreducer": paired_ratio([ours_ms] * 3, [torch_ms] * 3)}}
+
+    doc = {"runs": [{"model": "m", "link": "1gbit", "hosts": 2,
+                     "results": {"default": entry(100.0, 99.0), "1": entry(90.0, 90.9)}}]}
+    tables = _tables()
+    row = tables.main_table(doc).splitlines()[2]
+    assert "| 0.990 (0.990-0.990) |" in row and "| 1.250 | 1.238 |" in row
+    assert "| 40.0 / 50.0 | 90.0 | 1.100 |" in row
+    sweep = tables.sweep_table(doc)
+    assert "| 0.990 | 1.010 |" in sweep and "| 1 (90.0, 90.9) | 0.918 |" in sweep
+    assert "over 2 points: median 1.000" in sweep

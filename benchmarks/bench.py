@@ -11,8 +11,12 @@ after a check that the communicating ones end with the same parameters. Variants
   auto       pyreducer with bucket_cap_mb="auto" (online autotune, 30 warm-up steps)
 Step time = the slowest rank's. By default each round runs every variant for --steps steps in
 turn; --interleave alternates them step by step (order reversed every step), so that the ratio to
-torch DDP comes from adjacent, paired steps, with a bootstrap 95% interval. Overlap bound = forward + max(backward, comm) + step, with comm
-the measured time of one flat all-reduce of all gradients on this network.
+torch DDP comes from adjacent, paired steps, with a bootstrap 95% interval.
+Overlap bound = forward + max(backward, comm) + step: compute-only medians of the rank with the
+largest bound (step times are the slowest rank's too), comm the measured time of one flat
+all-reduce of all gradients on this network. With one core per host, communication also costs
+compute (Gloo and the kernel's network stack share the core), so the run also measures backward
+while a flat all-reduce runs and reports the bound with that backward ("with contention").
 
     python benchmarks/bench.py --link 1gbit --nproc 2 --model transformer --impl all --json out.json
     python benchmarks/bench.py --link 1gbit,10gbit --model mlp_large --impl torch,pyreducer \\

@@ -119,6 +119,20 @@ def comm_only_ms(base, reps=5) -> float:
     return statistics.median(samples)
 
 
+def slowest_rank_split(split, comm_ms) -> tuple[float, float, float, int]:
+    """(forward, backward, step) medians of the rank whose bound is largest, and that rank.
+    Step times are the slowest rank's, so the bound must be too: ranks on different cores
+    differ (by up to 10% here), and rank 0's own split would make the bound too optimistic."""
+    fwd, bwd, opt_step = (statistics.median(x) for x in zip(*split))
+    local = torch.tensor([fwd, bwd, opt_step, fwd + max(bwd, comm_ms) + opt_step],
+                         dtype=torch.float64)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    rank = max(range(len(gathered)), key=lambda r: gathered[r][3].item())
+    fwd, bwd, opt_step, _ = gathered[rank].tolist()
+    return fwd, bwd, opt_step, rank
+
+
 def backward_under_comm_ms(spec, base, batch_size, reps=5) -> float:
     """Median backward time of the compute-only model while one flat all-reduce of all
     gradients runs in the background (issued just before backward, waited after). On these
@@ -211,8 +225,9 @@ def main():
             entry["paired_vs_torch"] = {v: paired_ratio(times[v], times["torch"])
                                         for v in variants if v not in ("torch", "compute")}
         if split:
-            fwd, bwd, opt_step = (statistics.median(x) for x in zip(*split))
-            entry["compute_split_ms"] = dict(forward=fwd, backward=bwd, step=opt_step)
+            fwd, bwd, opt_step, slow_rank = slowest_rank_split(split, comm_ms)
+            entry["compute_split_ms"] = dict(forward=fwd, backward=bwd, step=opt_step,
+                                             rank=slow_rank)
             entry["bound_ms"] = fwd + max(bwd, comm_ms) + opt_step
             contended = backward_under_comm_ms(spec, base, batch_size)
             entry["backward_under_comm_ms"] = contended

@@ -38,6 +38,9 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 from pyreducer.netem import EmulatedCluster, NetemUnavailable, check_available  # noqa: E402
 
+sys.path.insert(0, HERE)
+from tables import plot_sweep  # noqa: E402
+
 ALL = "compute,per_param,flat,torch,pyreducer,auto"
 
 
@@ -115,31 +118,6 @@ def environment(args):
                 threads_per_rank=1, date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 steps=args.steps, rounds=args.rounds, warmup=args.warmup,
                 interleave=args.interleave)
-
-
-def plot_sweep(results, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for result in results:
-        keys = [c for c in result["results"] if c != "default"]
-        caps = [float(c) for c in keys]
-        for variant, style in (("torch", "--"), ("pyreducer", "-")):
-            if variant not in next(iter(result["results"].values())):
-                continue
-            ys = [result["results"][c][variant]["median_ms"] for c in keys]
-            ax.plot(caps, ys, style, marker="o",
-                    label=f"{variant} {result['model']} {result['link']} ({result['hosts']} hosts)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("bucket_cap_mb")
-    ax.set_ylabel("median step time, ms (slowest rank)")
-    ax.set_title("step time vs bucket size on the emulated network")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv=None):

@@ -2,6 +2,7 @@
 
     python benchmarks/tables.py result.json            # one row per (model, link, hosts, cap)
     python benchmarks/tables.py result.json --sweep    # pyreducer / torch DDP per cap (paired)
+    python benchmarks/tables.py result.json --plot sweep.png   # step time vs cap, a panel a model
 Columns that a run did not measure are shown as "-".
 """
 from __future__ import annotations
@@ -82,13 +83,60 @@ def sweep_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_sweep(runs: list[dict], path: str) -> None:
+    """Step time vs bucket cap: one panel per model, colour = link and hosts, dashed = torch DDP,
+    solid = pyreducer; DDP's default caps (1 MiB first bucket, then 25 MB) as a marker at 25."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(run["model"] for run in runs))
+    setups = list(dict.fromkeys((run["link"], run["hosts"]) for run in runs))
+    colours = {s: f"C{i}" for i, s in enumerate(setups)}
+    cols = min(2, len(models))
+    rows = (len(models) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    for ax, model in zip(axes.flat, models):
+        for run in (r for r in runs if r["model"] == model):
+            colour = colours[(run["link"], run["hosts"])]
+            caps = [c for c in run["results"] if c != "default"]
+            for variant, style in (("torch", "--"), ("pyreducer", "-")):
+                if not caps or variant not in run["results"][caps[0]]:
+                    continue
+                ax.plot([float(c) for c in caps],
+                        [run["results"][c][variant]["median_ms"] for c in caps], style,
+                        marker="o", markersize=3, color=colour,
+                        label=f"{'torch DDP' if variant == 'torch' else 'pyreducer'} "
+                              f"{run['link']}, {run['hosts']} hosts")
+                default = run["results"].get("default", {}).get(variant)
+                if default:
+                    ax.plot([25.0], [default["median_ms"]], "x" if variant == "torch" else "+",
+                            color=colour, markersize=9)
+        ax.set_xscale("log", base=2)
+        ax.set_title(model)
+        ax.set_xlabel("bucket_cap_mb (x/+ at 25: DDP's default caps)")
+        ax.set_ylabel("median step ms (slowest rank)")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(models):]:
+        ax.axis("off")
+    fig.suptitle("step time vs bucket size on the emulated network")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--plot", help="write the sweep plot (PNG) here instead of a table")
     args = parser.parse_args(argv)
     with open(args.json) as f:
         doc = json.load(f)
+    if args.plot:
+        plot_sweep(doc["runs"], args.plot)
+        print(f"wrote {args.plot}")
+        return 0
     print(sweep_table(doc) if args.sweep else main_table(doc))
     return 0
 

@@ -121,7 +121,7 @@ def plot_sweep(runs: list[dict], path: str) -> None:
         ax.axis("off")
     fig.suptitle("step time vs bucket size on the emulated network")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 

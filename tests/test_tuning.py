@@ -166,3 +166,14 @@ def test_fit_latency_survives_noise_on_the_largest_message():
     fitted = fit_link_model(sizes, times, 2)
     assert fitted.latency_s == pytest.approx(5e-4, rel=0.2), fitted
     assert fitted.bandwidth_bytes_per_s == pytest.approx(1.2e8, rel=0.02), fitted
+
+
+def test_autotune_drops_a_far_slower_candidate_after_two_steps():
+    from pyreducer.tuning.autotune import ABANDON, MEASURE, enough_samples
+
+    best = 0.100
+    assert not enough_samples([best * 3], best)  # one slow step may be a first-touch outlier
+    assert enough_samples([best * (ABANDON + 0.1)] * 2, best)
+    assert not enough_samples([best * 3, best * 1.1], best)  # the second step recovered
+    assert not enough_samples([best * 1.2] * (MEASURE - 1), best)
+    assert enough_samples([best * 1.2] * MEASURE, best)

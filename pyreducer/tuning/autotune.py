@@ -7,7 +7,8 @@ It starts with torch DDP's schedule, then, at forward time, every rank in step:
   2. rank 0 builds a profile from its timeline, plans with the exact planner and a ladder of
      caps, and broadcasts the TOP distinct plans predicted best (the step model ranks plans
      well but not exactly, so the choice among near-equal plans is left to measurement);
-  3. each candidate is applied and measured for MEASURE iterations;
+  3. each candidate is applied and measured for MEASURE iterations (2, if both are far slower
+     than the best so far: see enough_samples);
   4. the fastest measured plan (the starting one included) is applied for good.
 Every decision is rank 0's, broadcast, so all ranks apply the same plans at the same forward.
 Plans only change which gradients share a bucket, never the arithmetic of a gradient, so the
@@ -30,6 +31,17 @@ from pyreducer.tuning.linkmodel import probe_link
 
 logger = logging.getLogger("pyreducer.autotune")
 WARMUP, MEASURE, TOP, CAPS_MB = 3, 4, 4, (0.5, 1, 2, 4, 16, 64)
+ABANDON = 1.5  # a candidate whose first 2 steps are this much slower than the best is dropped
+
+
+def enough_samples(samples: list[float], best_s: float) -> bool:
+    """MEASURE step times of a candidate, or 2 that are both more than ABANDON x the best plan
+    measured so far: a bad candidate (a latency misjudged by the link probe can make the planner
+    choose hundreds of buckets) then costs two slow steps instead of MEASURE. Samples are the
+    slowest rank's, the same on every rank, so all ranks decide alike."""
+    if len(samples) >= MEASURE:
+        return True
+    return len(samples) >= 2 and min(samples[:2]) > ABANDON * best_s
 
 
 class AutoTuner:
@@ -75,10 +87,12 @@ class AutoTuner:
                                   statistics.median(self.samples)))
             self.candidates = self._plan(model)
             self._next_candidate(model)
-        elif self.phase == "measure" and len(self.samples) >= MEASURE:
+        elif self.phase == "measure" and enough_samples(self.samples,
+                                                          min(m[2] for m in self.measured)):
             name, plan = self.candidates.pop(0)
             self.measured.append((name, plan, statistics.median(self.samples)))
-            self._note(model, "measured", plan=name, step_ms=self.measured[-1][2] * 1e3)
+            self._note(model, "measured", plan=name, step_ms=self.measured[-1][2] * 1e3,
+                       steps=len(self.samples))
             self._next_candidate(model)
         # The step time is measured from here: time spent in the tuner itself is excluded.
         self.last_forward = time.perf_counter()

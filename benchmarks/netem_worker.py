@@ -184,11 +184,12 @@ def main():
     log("parity (max |param - pyreducer|):", {k: f"{v:.2g}" for k, v in checked.items()})
     comm_ms = comm_only_ms(base)
     log(f"one flat all-reduce of all gradients: {comm_ms:.1f} ms")
-    from pyreducer.tuning import probe_link
+    from pyreducer.tuning import probe_contention, probe_link
 
     link, probe = probe_link(None, reps=3)
+    contention = probe_contention(link)
     log(f"link fit: latency {link.latency_s * 1e6:.0f} us, "
-        f"{link.bandwidth_bytes_per_s * 8 / 1e9:.3f} Gbit/s")
+        f"{link.bandwidth_bytes_per_s * 8 / 1e9:.3f} Gbit/s, contention {contention:.2f}")
 
     results = {}
     for cap in caps:
@@ -247,6 +248,7 @@ def main():
             json.dump(dict(model=args.model, batch=batch_size, comm_only_ms=comm_ms,
                            link_fit=dict(latency_s=link.latency_s,
                                          bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+                                         contention=contention,
                                          probe_s={str(k): v for k, v in probe.items()}),
                            parity_max_diff=checked, results=results), f, indent=1)
     dist.destroy_process_group()

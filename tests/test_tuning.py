@@ -48,14 +48,39 @@ def test_step_model_hand_computed():
     assert predict_step_ms(profile, [[0], [1], [2]], fast, 2) == pytest.approx(3 + 10.5 + 1)
 
 
-@pytest.mark.parametrize("seed", range(12))
+def test_step_model_contention_delays_later_gradients_and_backward():
+    # as above, with contention 0.5: each 1 MB bucket (1 ms on the wire) delays what follows
+    # by 0.5 ms: ready 1, 2.5, 11 -> done [3, 5, 13]; backward end 10.5 + 0.5 + 0.5 = 11.5
+    profile = Profile(ready_ms=[1.0, 2.0, 10.0], size_bytes=[10**6] * 3, backward_ms=10.5,
+                      forward_ms=3.0, optimizer_ms=1.0)
+    link = LinkModel(1e-3, 1e9, contention=0.5)
+    assert bucket_done_ms(profile, [[0], [1], [2]], link, 2) == pytest.approx([3.0, 5.0, 13.0])
+    assert predict_step_ms(profile, [[0], [1], [2]], link, 2) == pytest.approx(3 + 13 + 1)
+    fast = LinkModel(0.0, 1e12, contention=0.5)  # negligible wire time: negligible delay
+    assert predict_step_ms(profile, [[0], [1], [2]], fast, 2) == pytest.approx(3 + 10.5 + 1,
+                                                                                abs=0.01)
+    # one bucket: nothing runs during backward, so contention changes nothing
+    assert predict_step_ms(profile, [[0, 1, 2]], link, 2) == pytest.approx(3 + 14 + 1)
+
+
+def test_planning_for_contention_changes_the_plan_and_pays_under_it():
+    profile = Profile(ready_ms=[1.0, 2.0, 3.0, 4.0], size_bytes=[10**6] * 4, backward_ms=4.0)
+    free, loaded = LinkModel(1e-3, 1e9), LinkModel(1e-3, 1e9, contention=0.8)
+    blind, aware = best_plan(profile, free, 2), best_plan(profile, loaded, 2)
+    assert blind == [[0], [1, 2, 3]] and aware == [[0, 1], [2, 3]]
+    # under contention the blind plan's early 1 MB bucket delays the other 3 gradients
+    assert predict_step_ms(profile, aware, loaded, 2) < predict_step_ms(profile, blind, loaded, 2)
+
+
+@pytest.mark.parametrize("seed", range(24))
 def test_planner_is_optimal_against_brute_force(seed):
     rng = random.Random(seed)
     n = rng.randint(1, 9)
     ready = sorted(rng.uniform(0, 50) for _ in range(n))
     profile = Profile(ready_ms=ready, size_bytes=[rng.randint(1, 8) * 10**6 for _ in range(n)],
                       backward_ms=ready[-1] + 1)
-    link = LinkModel(rng.choice([1e-5, 1e-3, 5e-3]), rng.choice([1e8, 1e9, 1e10]))
+    link = LinkModel(rng.choice([1e-5, 1e-3, 5e-3]), rng.choice([1e8, 1e9, 1e10]),
+                     contention=rng.choice([0.0, 0.0, 0.2, 0.6]))
     ranks = rng.choice([2, 4, 64])
     plan = best_plan(profile, link, ranks)
     assert sorted(i for b in plan for i in b) == list(range(n))
@@ -117,6 +142,9 @@ def tuning_worker(rank, world_size):
     model.apply_bucket_plan(result["plan"])
     spec.loss(model, spec.batch(torch.Generator().manual_seed(rank), 8)).backward()
     out["planned"] = dict(result=result, applied=model.bucket_plan())
+    from pyreducer.tuning import probe_contention
+
+    out["contention"] = probe_contention(LinkModel(1e-4, 1e9), reps=2, work_s=0.005)
     return out
 
 
@@ -135,6 +163,7 @@ def test_autotune_decides_logs_and_shows_in_timeline(tuned):
     for r in tuned:
         events = [e["event"] for e in r["auto"]["log"]]
         assert events[0] == "link" and events[-1] == "chosen" and "measured" in events
+        assert 0.0 <= r["auto"]["log"][0]["contention"] <= 0.9  # probed: CPU parameters
         assert len(set(r["auto"]["versions"])) >= 1 and max(r["auto"]["versions"]) >= 2
     assert tuned[0]["auto"]["log"][-1]["plan"] == tuned[1]["auto"]["log"][-1]["plan"]
 
@@ -177,3 +206,8 @@ def test_autotune_drops_a_far_slower_candidate_after_two_steps():
     assert not enough_samples([best * 3, best * 1.1], best)  # the second step recovered
     assert not enough_samples([best * 1.2] * (MEASURE - 1), best)
     assert enough_samples([best * 1.2] * MEASURE, best)
+
+
+def test_contention_probe_gives_every_rank_the_same_fraction(tuned):
+    assert 0.0 <= tuned[0]["contention"] <= 0.9
+    assert tuned[0]["contention"] == tuned[1]["contention"]  # from all-reduced times

@@ -27,13 +27,12 @@ class TuningMixin:
 
     def plan_buckets(self, link=None, forward_ms: float = 0.0, optimizer_ms: float = 0.0) -> dict:
         """The plan that minimises the predicted step time, next to the current plan's and torch
-        DDP's default; call on every rank (probes the link unless `link` is given; rank 0's
-        answer is broadcast). Apply it with apply_bucket_plan(result["plan"]) or save it."""
-        from pyreducer.tuning import planner, stepmodel
-        from pyreducer.tuning.linkmodel import probe_link
+        DDP's default; call on every rank (probes the link, and on CPU its contention, unless
+        `link` is given; rank 0's answer is broadcast). Apply it with apply_bucket_plan(result["plan"]) or save it."""
+        from pyreducer.tuning import autotune, planner, stepmodel
 
         if link is None:
-            link, _ = probe_link(self.process_group)
+            link = autotune.probe(self)
         result = None
         if dist.get_rank(self.process_group) == 0:
             ranks = dist.get_world_size(self.process_group)
@@ -48,7 +47,8 @@ class TuningMixin:
                 current_predicted_ms=stepmodel.predict_step_ms(prof, current, link, ranks),
                 ddp_default_predicted_ms=stepmodel.predict_step_ms(prof, default, link, ranks),
                 link=dict(latency_s=link.latency_s,
-                          bandwidth_bytes_per_s=link.bandwidth_bytes_per_s))
+                          bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+                          contention=link.contention))
         return sync.from_rank0(result, self.process_group)
 
     def apply_bucket_plan(self, plan) -> None:

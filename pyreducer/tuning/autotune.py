@@ -1,7 +1,8 @@
 """Online bucket autotune: `DistributedDataParallel(model, bucket_cap_mb="auto")`.
 
 It starts with torch DDP's schedule, then, at forward time, every rank in step:
-  1. after WARMUP synced iterations: probes the link (a few all-reduces) and measures MEASURE
+  1. after WARMUP synced iterations: probes the link (a few all-reduces, and on CPU how much
+     compute a running all-reduce takes away: LinkModel.contention) and measures MEASURE
      iterations of the current plan (step time = time between synced forwards, the slowest
      rank's);
   2. rank 0 builds a profile from its timeline, plans with the exact planner and a ladder of
@@ -19,6 +20,7 @@ plan_version in the timeline.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -27,11 +29,21 @@ import torch.distributed as dist
 
 from pyreducer import sync
 from pyreducer.tuning import planner, stepmodel
-from pyreducer.tuning.linkmodel import probe_link
+from pyreducer.tuning.linkmodel import probe_contention, probe_link
 
 logger = logging.getLogger("pyreducer.autotune")
 WARMUP, MEASURE, TOP, CAPS_MB = 3, 4, 4, (0.5, 1, 2, 4, 16, 64)
 ABANDON = 1.5  # a candidate whose first 2 steps are this much slower than the best is dropped
+
+
+def probe(model):
+    """The link model of `model`'s process group (collective): latency and bandwidth, and, for
+    CPU parameters, the compute a running all-reduce takes (probe_contention). On GPU the
+    collectives run beside the compute kernels, and contention is left at 0."""
+    link, _ = probe_link(model.process_group)
+    if all(p.device.type == "cpu" for p in model.parameters()):
+        link = dataclasses.replace(link, contention=probe_contention(link, model.process_group))
+    return link
 
 
 def enough_samples(samples: list[float], best_s: float) -> bool:
@@ -77,9 +89,10 @@ class AutoTuner:
             self.samples.append(self._slowest(model, now - self.last_forward))
         self.synced += 1
         if self.phase == "warmup" and self.synced > WARMUP:
-            self.link, _ = probe_link(model.process_group)
+            self.link = probe(model)
             self._note(model, "link", latency_us=self.link.latency_s * 1e6,
-                       bandwidth_gbit=self.link.bandwidth_bytes_per_s * 8 / 1e9)
+                       bandwidth_gbit=self.link.bandwidth_bytes_per_s * 8 / 1e9,
+                       contention=self.link.contention)
             self.phase, self.samples = "measure_current", []
         elif self.phase == "measure_current" and len(self.samples) >= MEASURE:
             current = model.reducer.bucket_layout()

@@ -21,11 +21,20 @@ import numpy as np
 class LinkModel:
     latency_s: float
     bandwidth_bytes_per_s: float
+    # Fraction of the rank's compute that a running all-reduce takes away (0: communication is
+    # free for compute, as with NCCL or a host with spare cores; see probe_contention).
+    contention: float = 0.0
 
     def allreduce_s(self, size_bytes: float, ranks: int) -> float:
         if ranks <= 1:
             return 0.0
-        return self.latency_s + 2 * (ranks - 1) / ranks * size_bytes / self.bandwidth_bytes_per_s
+        return self.latency_s + self.wire_s(size_bytes, ranks)
+
+    def wire_s(self, size_bytes: float, ranks: int) -> float:
+        """The bandwidth part of allreduce_s (the time the data is on the wire)."""
+        if ranks <= 1:
+            return 0.0
+        return 2 * (ranks - 1) / ranks * size_bytes / self.bandwidth_bytes_per_s
 
     @staticmethod
     def from_rate(rate: str, latency_s: float = 50e-6) -> "LinkModel":
@@ -77,3 +86,50 @@ def probe_link(group=None, sizes_bytes=(1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 <<
             samples.append(elapsed.item())
         medians[size] = statistics.median(samples)
     return fit_link_model(list(medians), list(medians.values()), ranks), medians
+
+
+def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float = 0.02) -> float:
+    """Measures LinkModel.contention on the live process group (collective; CPU tensors).
+
+    Times a fixed compute kernel (matrix products, ~work_s) alone, then while an all-reduce big
+    enough to outlast it runs; contention = 1 - alone / with (the slowest rank's times), clamped
+    to [0, 0.9]. With one core per rank (the emulated hosts here) communication's CPU work (Gloo's
+    threads, the kernel's network stack) shares the core with backward; on such hosts it was
+    0.15-0.4.
+    """
+    import torch
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size(group)
+    a = torch.randn(256, 256)
+
+    def kernel(count):
+        start = time.perf_counter()
+        for _ in range(count):
+            torch.mm(a, a)
+        return time.perf_counter() - start
+
+    one = statistics.median(kernel(5) for _ in range(3)) / 5
+    count = torch.tensor([max(1, int(work_s / max(one, 1e-6)))])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)  # the same kernel on every rank
+    count = int(count.item())
+    size_bytes = int(min(64 << 20, max(1 << 20, 2 * work_s * link.bandwidth_bytes_per_s
+                                          / max(2 * (ranks - 1) / ranks, 1e-9))))
+    data = torch.ones(size_bytes // 4)
+
+    def slowest(seconds):
+        t = torch.tensor([seconds])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.item()
+
+    alone, loaded = [], []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        alone.append(slowest(kernel(count)))
+        dist.barrier(group=group)
+        work = dist.all_reduce(data, group=group, async_op=True)
+        elapsed = kernel(count)
+        work.wait()
+        loaded.append(slowest(elapsed))
+    ratio = statistics.median(alone) / statistics.median(loaded)
+    return float(min(0.9, max(0.0, 1.0 - ratio)))

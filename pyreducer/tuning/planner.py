@@ -5,7 +5,8 @@ the first i gradients can all be reduced, and c(j, i) the all-reduce time of gra
     f(i) = min over j < i of  max(ready(i), f(j)) + c(j, i),      f(0) = 0,
 since bucket j+1..i is ready when its last gradient is and the channel is free at f(j); the
 right side grows with f(j), so optimal prefixes make an optimal whole: this dynamic programme is
-exact for the model. O(n^2) in the number of gradients (vectorised over j). Several (dtype,
+exact for the model. With contention k, ready(i) becomes ready(i) + k * wire(gradients 1..j):
+the delay depends on the cut j only, not on how 1..j is split, so the argument still holds. O(n^2) in the number of gradients (vectorised over j). Several (dtype,
 device) groups: each group is planned on its own, gradients of other groups ignored.
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ def _plan_group(order, ready_ms, size_bytes, link, ranks):
         j = np.arange(i)
         cost_ms = (link.latency_s + factor * (prefix[i] - prefix[j]) / link.bandwidth_bytes_per_s) \
             * 1e3 if ranks > 1 else np.zeros(i)
-        candidates = np.maximum(ready[i - 1], best[:i]) + cost_ms
+        delay_ms = link.contention * factor * prefix[j] / link.bandwidth_bytes_per_s * 1e3
+        candidates = np.maximum(ready[i - 1] + delay_ms, best[:i]) + cost_ms
         k = int(np.argmin(candidates))
         best[i], cut[i] = candidates[k], k
     plan, i = [], n

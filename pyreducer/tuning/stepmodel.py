@@ -5,8 +5,15 @@ timeline), its size and group; plus the backward's end and the forward and optim
 Buckets are launched in order on one communication channel: bucket i starts when its last
 gradient is ready and bucket i-1 is done, and takes link.allreduce_s(bytes). Then
     step = forward + max(backward_end, last bucket done) + optimizer.
-What it leaves out: copy costs beyond what the profile recorded, contention between compute and
-communication for cores, stragglers, hierarchical topologies, concurrent collectives.
+Contention (link.contention = k > 0, e.g. one core per rank that also runs the network stack):
+each bucket's all-reduce takes k x its wire time from compute, so every gradient after it (and
+the backward's end) is ready that much later:
+    ready'(g) = ready(g) + k * sum of wire_s(bucket) over the buckets launched before g's,
+    backward_end' = backward_end + k * sum of wire_s over all buckets but the last.
+(It charges a bucket also when its all-reduce runs after backward has ended, which matters
+little: those are the communication-bound steps, where the channel decides.)
+What it leaves out: copy costs beyond what the profile recorded, stragglers, hierarchical
+topologies, concurrent collectives.
 """
 from __future__ import annotations
 
@@ -49,19 +56,27 @@ class Profile:
 def bucket_done_ms(profile: Profile, plan: list[list[int]], link: LinkModel, ranks: int,
                    start_ms: float = 0.0) -> list[float]:
     """Completion time of each bucket (launch order) under the one-channel model."""
-    done, channel_free = [], start_ms
+    done, channel_free, delay_ms = [], start_ms, 0.0
     for bucket in plan:
-        ready = max(profile.ready_ms[i] for i in bucket)
+        ready = max(profile.ready_ms[i] for i in bucket) + delay_ms
         size = sum(profile.size_bytes[i] for i in bucket)
         channel_free = max(ready, channel_free) + link.allreduce_s(size, ranks) * 1e3
         done.append(channel_free)
+        delay_ms += link.contention * link.wire_s(size, ranks) * 1e3
     return done
+
+
+def backward_end_ms(profile: Profile, plan: list[list[int]], link: LinkModel, ranks: int) -> float:
+    """The backward's end, delayed by the contention of every bucket but the last."""
+    sizes = [sum(profile.size_bytes[i] for i in bucket) for bucket in plan[:-1]]
+    return profile.backward_ms + sum(link.contention * link.wire_s(s, ranks) * 1e3 for s in sizes)
 
 
 def predict_step_ms(profile: Profile, plan: list[list[int]], link: LinkModel, ranks: int) -> float:
     done = bucket_done_ms(profile, plan, link, ranks)
     last = done[-1] if done else 0.0
-    return profile.forward_ms + max(profile.backward_ms, last) + profile.optimizer_ms
+    backward = backward_end_ms(profile, plan, link, ranks)
+    return profile.forward_ms + max(backward, last) + profile.optimizer_ms
 
 
 def cap_plan(profile: Profile, caps_bytes: list[int]) -> list[list[int]]:

@@ -7,7 +7,7 @@ ready times, sizes, backward, forward and optimizer times. For each rank count a
 step model (pyreducer.tuning.stepmodel) predicts the step time of torch DDP's default plan and of
 the optimal plan (pyreducer.tuning.planner), with a nominal link model (rate, 50 us latency)
 and ring all-reduce. Scaling efficiency = compute-only step / predicted step.
-Left out: contention, stragglers, hierarchical topologies (intra/inter-node), congestion, and
+Left out: contention (nominal links have none), stragglers, hierarchical topologies (intra/inter-node), congestion, and
 per-message latency beyond one term per all-reduce: real large-scale runs will be slower.
 """
 from __future__ import annotations

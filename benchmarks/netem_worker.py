@@ -187,9 +187,10 @@ def main():
     from pyreducer.tuning import probe_contention, probe_link
 
     link, probe = probe_link(None, reps=3)
-    contention = probe_contention(link)
-    log(f"link fit: latency {link.latency_s * 1e6:.0f} us, "
-        f"{link.bandwidth_bytes_per_s * 8 / 1e9:.3f} Gbit/s, contention {contention:.2f}")
+    loaded = probe_contention(link)
+    log(f"link fit: latency {link.latency_s * 1e6:.0f} us ({loaded.latency_s * 1e6:.0f} us beside "
+        f"compute), {link.bandwidth_bytes_per_s * 8 / 1e9:.3f} Gbit/s, "
+        f"contention {loaded.contention:.2f}")
 
     results = {}
     for cap in caps:
@@ -248,7 +249,8 @@ def main():
             json.dump(dict(model=args.model, batch=batch_size, comm_only_ms=comm_ms,
                            link_fit=dict(latency_s=link.latency_s,
                                          bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
-                                         contention=contention,
+                                         contention=loaded.contention,
+                                         latency_under_load_s=loaded.latency_s,
                                          probe_s={str(k): v for k, v in probe.items()}),
                            parity_max_diff=checked, results=results), f, indent=1)
     dist.destroy_process_group()

@@ -144,7 +144,8 @@ def tuning_worker(rank, world_size):
     out["planned"] = dict(result=result, applied=model.bucket_plan())
     from pyreducer.tuning import probe_contention
 
-    out["contention"] = probe_contention(LinkModel(1e-4, 1e9), reps=2, work_s=0.005)
+    loaded = probe_contention(LinkModel(1e-4, 1e9), reps=2, work_s=0.005)
+    out["contention"] = (loaded.contention, loaded.latency_s)
     return out
 
 
@@ -208,6 +209,7 @@ def test_autotune_drops_a_far_slower_candidate_after_two_steps():
     assert enough_samples([best * 1.2] * MEASURE, best)
 
 
-def test_contention_probe_gives_every_rank_the_same_fraction(tuned):
-    assert 0.0 <= tuned[0]["contention"] <= 0.9
+def test_contention_probe_gives_every_rank_the_same_link(tuned):
+    contention, latency_s = tuned[0]["contention"]
+    assert 0.0 <= contention <= 0.9 and 1e-4 <= latency_s < 2.0  # never below the idle latency
     assert tuned[0]["contention"] == tuned[1]["contention"]  # from all-reduced times

@@ -20,7 +20,6 @@ plan_version in the timeline.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
 import time
@@ -38,11 +37,11 @@ ABANDON = 1.5  # a candidate whose first 2 steps are this much slower than the b
 
 def probe(model):
     """The link model of `model`'s process group (collective): latency and bandwidth, and, for
-    CPU parameters, the compute a running all-reduce takes (probe_contention). On GPU the
-    collectives run beside the compute kernels, and contention is left at 0."""
+    CPU parameters, the compute a running all-reduce takes and its latency beside compute
+    (probe_contention). On GPU the collectives run beside the compute kernels: left as probed."""
     link, _ = probe_link(model.process_group)
     if all(p.device.type == "cpu" for p in model.parameters()):
-        link = dataclasses.replace(link, contention=probe_contention(link, model.process_group))
+        link = probe_contention(link, model.process_group)
     return link
 
 
@@ -92,7 +91,7 @@ class AutoTuner:
             self.link = probe(model)
             self._note(model, "link", latency_us=self.link.latency_s * 1e6,
                        bandwidth_gbit=self.link.bandwidth_bytes_per_s * 8 / 1e9,
-                       contention=self.link.contention)
+                       contention=self.link.contention)  # latency: under load on CPU
             self.phase, self.samples = "measure_current", []
         elif self.phase == "measure_current" and len(self.samples) >= MEASURE:
             current = model.reducer.bucket_layout()

@@ -88,15 +88,22 @@ def probe_link(group=None, sizes_bytes=(1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 <<
     return fit_link_model(list(medians), list(medians.values()), ranks), medians
 
 
-def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float = 0.02) -> float:
-    """Measures LinkModel.contention on the live process group (collective; CPU tensors).
+def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float = 0.02,
+                     small_ops: int = 16) -> LinkModel:
+    """`link` as it behaves beside compute on this host (collective; CPU tensors): returns it
+    with `contention` and a `latency_s` measured under load.
 
-    Times a fixed compute kernel (matrix products, ~work_s) alone, then while an all-reduce big
-    enough to outlast it runs; contention = 1 - alone / with (the slowest rank's times), clamped
-    to [0, 0.9]. With one core per rank (the emulated hosts here) communication's CPU work (Gloo's
-    threads, the kernel's network stack) shares the core with backward; on such hosts it was
-    0.15-0.4.
+    contention: a fixed compute kernel (matrix products, ~work_s) is timed alone, then while an
+    all-reduce big enough to outlast it runs; contention = 1 - alone / with, clamped to [0, 0.9].
+    Latency under load: `small_ops` 4 KiB all-reduces are queued while the kernel keeps the core
+    busy, and the time until the last completes, per all-reduce, replaces latency_s if larger.
+    With one core per rank (the emulated hosts here) Gloo's threads and the kernel's network
+    stack share the core with backward: contention was 0.15-0.5, and an all-reduce waited for a
+    scheduler slice (~2 ms instead of the 0.2 ms it takes on an idle host), which a planner that
+    trusts the idle latency pays for with hundreds of buckets. Times are the slowest rank's.
     """
+    import dataclasses
+
     import torch
     import torch.distributed as dist
 
@@ -109,19 +116,17 @@ def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float =
             torch.mm(a, a)
         return time.perf_counter() - start
 
-    one = statistics.median(kernel(5) for _ in range(3)) / 5
-    count = torch.tensor([max(1, int(work_s / max(one, 1e-6)))])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)  # the same kernel on every rank
-    count = int(count.item())
-    size_bytes = int(min(64 << 20, max(1 << 20, 2 * work_s * link.bandwidth_bytes_per_s
-                                          / max(2 * (ranks - 1) / ranks, 1e-9))))
-    data = torch.ones(size_bytes // 4)
-
     def slowest(seconds):
         t = torch.tensor([seconds])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return t.item()
 
+    one = statistics.median(kernel(5) for _ in range(3)) / 5
+    per_ms = max(1, int(round(slowest(1e-3 / max(one, 1e-7)))))  # the same kernel on every rank
+    count = max(1, int(work_s * 1e3)) * per_ms
+    size_bytes = int(min(64 << 20, max(1 << 20, 2 * work_s * link.bandwidth_bytes_per_s
+                                          / max(2 * (ranks - 1) / ranks, 1e-9))))
+    data = torch.ones(size_bytes // 4)
     alone, loaded = [], []
     for _ in range(reps):
         dist.barrier(group=group)
@@ -131,5 +136,19 @@ def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float =
         elapsed = kernel(count)
         work.wait()
         loaded.append(slowest(elapsed))
-    ratio = statistics.median(alone) / statistics.median(loaded)
-    return float(min(0.9, max(0.0, 1.0 - ratio)))
+    contention = min(0.9, max(0.0, 1.0 - statistics.median(alone) / statistics.median(loaded)))
+
+    small = [torch.ones(1024) for _ in range(small_ops)]
+    latencies = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        works = [dist.all_reduce(t, group=group, async_op=True) for t in small]
+        while not works[-1].is_completed() and time.perf_counter() - start < 2.0:
+            kernel(per_ms)  # keep the core busy, as backward does; check about every ms
+        elapsed = time.perf_counter() - start
+        for w in works:
+            w.wait()
+        latencies.append(slowest(elapsed) / small_ops)
+    latency = max(link.latency_s, statistics.median(latencies))
+    return dataclasses.replace(link, contention=float(contention), latency_s=float(latency))

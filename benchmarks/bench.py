@@ -9,9 +9,9 @@ after a check that the communicating ones end with the same parameters. Variants
   flat       after backward, one flat all-reduce of all gradients (no overlap; Apex delay_allreduce)
   torch      torch DDP at the same bucket cap;  pyreducer  pyreducer at that cap
   auto       pyreducer with bucket_cap_mb="auto" (online autotune, 30 warm-up steps)
-Step time = the slowest rank's. By default each round runs every variant for --steps steps in
-turn; --interleave alternates them step by step (order reversed every step), so that the ratio to
-torch DDP comes from adjacent, paired steps, with a bootstrap 95% interval.
+Step time = the slowest rank's. Variants alternate step by step (order reversed every step), so
+the ratio to torch DDP comes from adjacent, paired steps, with a bootstrap 95% interval;
+--no-interleave runs each variant for --steps steps in turn instead (the first session's records).
 Overlap bound = forward + max(backward, comm) + step: compute-only medians of the rank with the
 largest bound (step times are the slowest rank's too), comm the measured time of one flat
 all-reduce of all gradients on this network. With one core per host, communication also costs
@@ -131,9 +131,10 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--interleave", action="store_true",
-                        help="alternate the variants every step instead of every round; adds "
-                             "paired ratios to torch DDP with 95%% bootstrap intervals")
+    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                        help="alternate the variants every step (default) rather than run each "
+                             "for --steps steps in turn; gives paired ratios to torch DDP with "
+                             "95%% bootstrap intervals")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json")

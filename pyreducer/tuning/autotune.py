@@ -39,8 +39,9 @@ def probe(model):
     """The link model of `model`'s process group (collective): latency and bandwidth, and, for
     CPU parameters, the compute a running all-reduce takes and its latency beside compute
     (probe_contention). On GPU the collectives run beside the compute kernels: left as probed."""
-    link, _ = probe_link(model.process_group)
-    if all(p.device.type == "cpu" for p in model.parameters()):
+    device = next(model.parameters()).device  # NCCL groups take only CUDA tensors
+    link, _ = probe_link(model.process_group, device=device)
+    if device.type == "cpu":
         link = probe_contention(link, model.process_group)
     return link
 

@@ -8,7 +8,7 @@ after a check that the communicating ones end with the same parameters. Variants
   per_param  after backward, one all-reduce per gradient (the classic tutorial)
   flat       after backward, one flat all-reduce of all gradients (no overlap; Apex delay_allreduce)
   torch      torch DDP at the same bucket cap;  pyreducer  pyreducer at that cap
-  auto       pyreducer with bucket_cap_mb="auto" (online autotune, 30 warm-up steps)
+  auto       pyreducer with bucket_cap_mb="auto" (online autotune, 40 warm-up steps)
 Step time = the slowest rank's. Variants alternate step by step (order reversed every step), so
 the ratio to torch DDP comes from adjacent, paired steps, with a bootstrap 95% interval;
 --no-interleave runs each variant for --steps steps in turn instead (the first session's records).

@@ -24,7 +24,7 @@ from pyreducer import DistributedDataParallel, models  # noqa: E402
 from pyreducer.bench import paired_ratio, summarize  # noqa: E402
 
 VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto")
-AUTO_WARMUP = 30  # autotune decides after ~24 synced iterations
+AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
 
 
 class Plain:

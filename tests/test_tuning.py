@@ -129,7 +129,7 @@ def tuning_worker(rank, world_size):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(rank)
         grads = []
-        for _ in range(30):  # autotune decides after 3 + 1 + 4 + 4 x 4 synced iterations
+        for _ in range(40):  # autotune decides after 3 + 1 + 4 + 4 x 4 (+ 2 x 4) iterations
             opt.zero_grad()
             spec.loss(model, spec.batch(gen, 8)).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
@@ -213,3 +213,13 @@ def test_contention_probe_gives_every_rank_the_same_link(tuned):
     contention, latency_s = tuned[0]["contention"]
     assert 0.0 <= contention <= 0.9 and 1e-4 <= latency_s < 2.0  # never below the idle latency
     assert tuned[0]["contention"] == tuned[1]["contention"]  # from all-reduced times
+
+
+def test_autotune_measures_a_close_call_again():
+    from pyreducer.tuning.autotune import CONFIRM, close_call
+
+    a, b, c = [[0, 1]], [[0], [1]], [[1], [0]]
+    assert close_call([("start", a, 0.100), ("x", b, 0.100 * (1 + CONFIRM / 2)),
+                       ("y", c, 0.2)]) == [("start", a), ("x", b)]
+    assert close_call([("start", a, 0.100), ("x", b, 0.100 * (1 + 2 * CONFIRM))]) == []
+    assert close_call([("start", a, 0.100)]) == []

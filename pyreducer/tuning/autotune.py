@@ -10,7 +10,10 @@ It starts with torch DDP's schedule, then, at forward time, every rank in step:
      well but not exactly, so the choice among near-equal plans is left to measurement);
   3. each candidate is applied and measured for MEASURE iterations (2, if both are far slower
      than the best so far: see enough_samples);
-  4. the fastest measured plan (the starting one included) is applied for good.
+  4. if the two fastest measured plans (the starting one included) are within CONFIRM of each
+     other, both are measured MEASURE iterations more (a 4-step median moves by a few percent
+     here) and compared on all their steps;
+  5. the fastest plan is applied for good.
 Every decision is rank 0's, broadcast, so all ranks apply the same plans at the same forward.
 Plans only change which gradients share a bucket, never the arithmetic of a gradient, so the
 gradients are those of the untuned run (bit for bit with 2 ranks; with more, all-reduce
@@ -33,6 +36,7 @@ from pyreducer.tuning.linkmodel import probe_contention, probe_link
 logger = logging.getLogger("pyreducer.autotune")
 WARMUP, MEASURE, TOP, CAPS_MB = 3, 4, 4, (0.5, 1, 2, 4, 16, 64)
 ABANDON = 1.5  # a candidate whose first 2 steps are this much slower than the best is dropped
+CONFIRM = 0.03  # the two best plans are measured again when this close
 
 
 def probe(model):
@@ -56,6 +60,15 @@ def enough_samples(samples: list[float], best_s: float) -> bool:
     return len(samples) >= 2 and min(samples[:2]) > ABANDON * best_s
 
 
+def close_call(measured: list[tuple[str, list[list[int]], float]]) -> list:
+    """The two fastest (name, plan) of `measured` (name, plan, median seconds) if the second is
+    within CONFIRM of the first, else []."""
+    ranked = sorted(measured, key=lambda m: m[2])
+    if len(ranked) >= 2 and ranked[1][2] <= ranked[0][2] * (1 + CONFIRM):
+        return [(name, plan) for name, plan, _ in ranked[:2]]
+    return []
+
+
 class AutoTuner:
     def __init__(self):
         self.phase = "warmup"
@@ -63,7 +76,9 @@ class AutoTuner:
         self.last_forward = None
         self.samples: list[float] = []
         self.candidates: list[tuple[str, list[list[int]]]] = []
-        self.measured: list[tuple[str, list[list[int]], float]] = []
+        self.measured: list[tuple[str, list[list[int]], float]] = []  # name, plan, median s
+        self.samples_of: dict[str, list[float]] = {}
+        self.confirming: list[tuple[str, list[list[int]]]] = []
         self.log: list[dict] = []
         self.link = None
 
@@ -96,6 +111,7 @@ class AutoTuner:
             self.phase, self.samples = "measure_current", []
         elif self.phase == "measure_current" and len(self.samples) >= MEASURE:
             current = model.reducer.bucket_layout()
+            self.samples_of["start"] = self.samples
             self.measured.append(("start", [b["param_indices"] for b in current],
                                   statistics.median(self.samples)))
             self.candidates = self._plan(model)
@@ -103,9 +119,18 @@ class AutoTuner:
         elif self.phase == "measure" and enough_samples(self.samples,
                                                           min(m[2] for m in self.measured)):
             name, plan = self.candidates.pop(0)
+            self.samples_of[name] = self.samples
             self.measured.append((name, plan, statistics.median(self.samples)))
             self._note(model, "measured", plan=name, step_ms=self.measured[-1][2] * 1e3,
                        steps=len(self.samples))
+            self._next_candidate(model)
+        elif self.phase == "confirm" and len(self.samples) >= MEASURE:
+            name, _ = self.confirming.pop(0)
+            pooled = self.samples_of[name] + self.samples
+            self.measured = [(n, p, statistics.median(pooled) if n == name else m)
+                             for n, p, m in self.measured]
+            self._note(model, "confirmed", plan=name, step_ms=statistics.median(pooled) * 1e3,
+                       steps=len(pooled))
             self._next_candidate(model)
         # The step time is measured from here: time spent in the tuner itself is excluded.
         self.last_forward = time.perf_counter()
@@ -137,6 +162,12 @@ class AutoTuner:
         if self.candidates:
             model.apply_bucket_plan(self.candidates[0][1])
             self.phase = "measure"
+            return
+        if self.phase == "measure":  # all candidates measured once
+            self.confirming = close_call(self.measured)
+        if self.confirming:
+            model.apply_bucket_plan(self.confirming[0][1])
+            self.phase = "confirm"
             return
         name, plan, seconds = min(self.measured, key=lambda m: m[2])
         model.apply_bucket_plan(plan)

@@ -124,7 +124,12 @@ def tuning_worker(rank, world_size):
     torch.manual_seed(0)
     base = spec.build()
     out = {}
-    for key, kwargs in (("untuned", {}), ("auto", dict(bucket_cap_mb="auto"))):
+    from pyreducer.tuning import autotune
+
+    for key, kwargs in (("untuned", {}), ("auto", dict(bucket_cap_mb="auto")),
+                        ("auto_confirm", dict(bucket_cap_mb="auto"))):
+        # CONFIRM = 10: every pair of plans is a close call, so the confirm phase always runs
+        autotune.CONFIRM = 10.0 if key == "auto_confirm" else 0.03
         model = DistributedDataParallel(copy.deepcopy(base), **kwargs)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(rank)
@@ -213,6 +218,18 @@ def test_contention_probe_gives_every_rank_the_same_link(tuned):
     contention, latency_s = tuned[0]["contention"]
     assert 0.0 <= contention <= 0.9 and 1e-4 <= latency_s < 2.0  # never below the idle latency
     assert tuned[0]["contention"] == tuned[1]["contention"]  # from all-reduced times
+
+
+def test_autotune_confirms_a_close_call_and_still_decides(tuned):
+    for r in tuned:
+        events = [e["event"] for e in r["auto_confirm"]["log"]]
+        assert events[-3:] == ["confirmed", "confirmed", "chosen"], events
+        confirmed = [e for e in r["auto_confirm"]["log"] if e["event"] == "confirmed"]
+        assert all(e["steps"] >= 8 for e in confirmed)  # first measurement + MEASURE more
+        chosen = r["auto_confirm"]["log"][-1]
+        assert chosen["plan"] in {e["plan"] for e in confirmed}
+        for step, (a, b) in enumerate(zip(r["untuned"]["grads"], r["auto_confirm"]["grads"])):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}"
 
 
 def test_autotune_measures_a_close_call_again():

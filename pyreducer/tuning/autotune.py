@@ -100,7 +100,8 @@ class AutoTuner:
         if self.phase == "done":
             return
         now = time.perf_counter()
-        if self.last_forward is not None and self.phase in ("measure_current", "measure"):
+        if self.last_forward is not None and self.phase in ("measure_current", "measure",
+                                                             "confirm"):
             self.samples.append(self._slowest(model, now - self.last_forward))
         self.synced += 1
         if self.phase == "warmup" and self.synced > WARMUP:

@@ -126,10 +126,12 @@ def tuning_worker(rank, world_size):
     out = {}
     from pyreducer.tuning import autotune
 
+    defaults = autotune.CONFIRM, autotune.ABANDON
     for key, kwargs in (("untuned", {}), ("auto", dict(bucket_cap_mb="auto")),
                         ("auto_confirm", dict(bucket_cap_mb="auto"))):
         # CONFIRM = 10: every pair of plans is a close call, so the confirm phase always runs
-        autotune.CONFIRM = 10.0 if key == "auto_confirm" else 0.03
+        # (and no candidate is dropped early: each has 4 steps before it)
+        autotune.CONFIRM, autotune.ABANDON = (10.0, 100.0) if key == "auto_confirm" else defaults
         model = DistributedDataParallel(copy.deepcopy(base), **kwargs)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(rank)

@@ -22,6 +22,7 @@ import torch.distributed as dist  # noqa: E402
 
 from pyreducer import DistributedDataParallel, models  # noqa: E402
 from pyreducer.bench import paired_ratio, summarize  # noqa: E402
+from pyreducer.sync import slowest  # noqa: E402
 
 VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto")
 AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
@@ -80,12 +81,6 @@ def step(model, spec, opt, batch):
     opt.step()
     t3 = time.perf_counter()
     return t1 - t0, t2 - t1, t3 - t2
-
-
-def slowest(seconds: float) -> float:
-    t = torch.tensor([seconds])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def parity(spec, base, variants, cap, batch_size, steps=3):

@@ -50,6 +50,17 @@ def verify_same_plan(plan: list[list[int]], group) -> None:
                              f"{rank} has {len(theirs)}); every rank must replay the same plan.")
 
 
+def slowest(seconds: float, group=None) -> float:
+    """The largest of every rank's `seconds` (collective): a step is as slow as its slowest rank.
+    On an NCCL-only group the scalar travels on the current CUDA device."""
+    device = "cpu"
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
 def from_rank0(obj, group):
     """Rank 0's `obj` (any picklable value) on every rank of `group`; collective."""
     payload = [obj]

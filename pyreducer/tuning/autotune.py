@@ -88,12 +88,6 @@ class AutoTuner:
         if dist.get_rank(model.process_group) == 0:
             logger.info("%s", entry)
 
-    def _slowest(self, model, seconds: float) -> float:
-        import torch
-
-        t = torch.tensor([seconds])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=model.process_group)
-        return t.item()
 
     def before_forward(self, model) -> None:
         """Called at the start of every synced forward (grad enabled, sync on)."""
@@ -102,7 +96,7 @@ class AutoTuner:
         now = time.perf_counter()
         if self.last_forward is not None and self.phase in ("measure_current", "measure",
                                                              "confirm"):
-            self.samples.append(self._slowest(model, now - self.last_forward))
+            self.samples.append(sync.slowest(now - self.last_forward, model.process_group))
         self.synced += 1
         if self.phase == "warmup" and self.synced > WARMUP:
             self.link = probe(model)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pyreducer.sync import slowest
+
 
 @dataclass(frozen=True)
 class LinkModel:
@@ -81,9 +83,7 @@ def probe_link(group=None, sizes_bytes=(1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 <<
             dist.barrier(group=group)
             start = time.perf_counter()
             dist.all_reduce(data, group=group)
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-            samples.append(elapsed.item())
+            samples.append(slowest(time.perf_counter() - start, group))
         medians[size] = statistics.median(samples)
     return fit_link_model(list(medians), list(medians.values()), ranks), medians
 
@@ -116,13 +116,8 @@ def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float =
             torch.mm(a, a)
         return time.perf_counter() - start
 
-    def slowest(seconds):
-        t = torch.tensor([seconds])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t.item()
-
     one = statistics.median(kernel(5) for _ in range(3)) / 5
-    per_ms = max(1, int(round(slowest(1e-3 / max(one, 1e-7)))))  # the same kernel on every rank
+    per_ms = max(1, int(round(slowest(1e-3 / max(one, 1e-7), group))))  # the same kernel on every rank
     count = max(1, int(work_s * 1e3)) * per_ms
     size_bytes = int(min(64 << 20, max(1 << 20, 2 * work_s * link.bandwidth_bytes_per_s
                                           / max(2 * (ranks - 1) / ranks, 1e-9))))
@@ -130,12 +125,12 @@ def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float =
     alone, loaded = [], []
     for _ in range(reps):
         dist.barrier(group=group)
-        alone.append(slowest(kernel(count)))
+        alone.append(slowest(kernel(count), group))
         dist.barrier(group=group)
         work = dist.all_reduce(data, group=group, async_op=True)
         elapsed = kernel(count)
         work.wait()
-        loaded.append(slowest(elapsed))
+        loaded.append(slowest(elapsed, group))
     contention = min(0.9, max(0.0, 1.0 - statistics.median(alone) / statistics.median(loaded)))
 
     small = [torch.ones(1024) for _ in range(small_ops)]
@@ -149,6 +144,6 @@ def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float =
         elapsed = time.perf_counter() - start
         for w in works:
             w.wait()
-        latencies.append(slowest(elapsed) / small_ops)
+        latencies.append(slowest(elapsed, group) / small_ops)
     latency = max(link.latency_s, statistics.median(latencies))
     return dataclasses.replace(link, contention=float(contention), latency_s=float(latency))

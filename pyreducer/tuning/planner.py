@@ -24,15 +24,13 @@ def _plan_group(order, ready_ms, size_bytes, link, ranks):
     ready = np.array([ready_ms[i] for i in order], dtype=float)
     ready = np.maximum.accumulate(ready)  # a bucket is ready when its latest gradient is
     prefix = np.concatenate([[0.0], np.cumsum([size_bytes[i] for i in order], dtype=float)])
-    factor = 2 * (ranks - 1) / ranks if ranks > 1 else 0.0
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
     cut = np.zeros(n + 1, dtype=int)
     for i in range(1, n + 1):
         j = np.arange(i)
-        cost_ms = (link.latency_s + factor * (prefix[i] - prefix[j]) / link.bandwidth_bytes_per_s) \
-            * 1e3 if ranks > 1 else np.zeros(i)
-        delay_ms = link.contention * factor * prefix[j] / link.bandwidth_bytes_per_s * 1e3
+        cost_ms = link.allreduce_s(prefix[i] - prefix[j], ranks) * 1e3  # arrays over j
+        delay_ms = link.contention * link.wire_s(prefix[j], ranks) * 1e3
         candidates = np.maximum(ready[i - 1] + delay_ms, best[:i]) + cost_ms
         k = int(np.argmin(candidates))
         best[i], cut[i] = candidates[k], k

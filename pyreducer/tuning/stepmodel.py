@@ -56,26 +56,26 @@ class Profile:
 def bucket_done_ms(profile: Profile, plan: list[list[int]], link: LinkModel, ranks: int,
                    start_ms: float = 0.0) -> list[float]:
     """Completion time of each bucket (launch order) under the one-channel model."""
-    done, channel_free, delay_ms = [], start_ms, 0.0
+    return _schedule(profile, plan, link, ranks, start_ms)[0]
+
+
+def _schedule(profile, plan, link, ranks, start_ms=0.0) -> tuple[list[float], float]:
+    """(done time per bucket, contention delay before the last bucket's launch)."""
+    done, channel_free, delay_ms, delay_before_last = [], start_ms, 0.0, 0.0
     for bucket in plan:
         ready = max(profile.ready_ms[i] for i in bucket) + delay_ms
         size = sum(profile.size_bytes[i] for i in bucket)
         channel_free = max(ready, channel_free) + link.allreduce_s(size, ranks) * 1e3
         done.append(channel_free)
+        delay_before_last = delay_ms
         delay_ms += link.contention * link.wire_s(size, ranks) * 1e3
-    return done
-
-
-def backward_end_ms(profile: Profile, plan: list[list[int]], link: LinkModel, ranks: int) -> float:
-    """The backward's end, delayed by the contention of every bucket but the last."""
-    sizes = [sum(profile.size_bytes[i] for i in bucket) for bucket in plan[:-1]]
-    return profile.backward_ms + sum(link.contention * link.wire_s(s, ranks) * 1e3 for s in sizes)
+    return done, delay_before_last
 
 
 def predict_step_ms(profile: Profile, plan: list[list[int]], link: LinkModel, ranks: int) -> float:
-    done = bucket_done_ms(profile, plan, link, ranks)
+    done, delay_ms = _schedule(profile, plan, link, ranks)
     last = done[-1] if done else 0.0
-    backward = backward_end_ms(profile, plan, link, ranks)
+    backward = profile.backward_ms + delay_ms  # every bucket but the last delays it
     return profile.forward_ms + max(backward, last) + profile.optimizer_ms
 
 

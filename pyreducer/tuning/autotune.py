@@ -76,8 +76,8 @@ class AutoTuner:
         self.last_forward = None
         self.samples: list[float] = []
         self.candidates: list[tuple[str, list[list[int]]]] = []
-        self.measured: list[tuple[str, list[list[int]], float]] = []  # name, plan, median s
-        self.samples_of: dict[str, list[float]] = {}
+        self.plan_of: dict[str, list[list[int]]] = {}  # measured plans by name ...
+        self.samples_of: dict[str, list[float]] = {}  # ... and their step times (s)
         self.confirming: list[tuple[str, list[list[int]]]] = []
         self.log: list[dict] = []
         self.link = None
@@ -106,29 +106,35 @@ class AutoTuner:
             self.phase, self.samples = "measure_current", []
         elif self.phase == "measure_current" and len(self.samples) >= MEASURE:
             current = model.reducer.bucket_layout()
-            self.samples_of["start"] = self.samples
-            self.measured.append(("start", [b["param_indices"] for b in current],
-                                  statistics.median(self.samples)))
+            self._record("start", [b["param_indices"] for b in current])
             self.candidates = self._plan(model)
             self._next_candidate(model)
-        elif self.phase == "measure" and enough_samples(self.samples,
-                                                          min(m[2] for m in self.measured)):
+        elif self.phase == "measure" and enough_samples(
+                self.samples, min(m[2] for m in self._measured())):
             name, plan = self.candidates.pop(0)
-            self.samples_of[name] = self.samples
-            self.measured.append((name, plan, statistics.median(self.samples)))
-            self._note(model, "measured", plan=name, step_ms=self.measured[-1][2] * 1e3,
+            self._record(name, plan)
+            self._note(model, "measured", plan=name, step_ms=statistics.median(self.samples) * 1e3,
                        steps=len(self.samples))
             self._next_candidate(model)
         elif self.phase == "confirm" and len(self.samples) >= MEASURE:
-            name, _ = self.confirming.pop(0)
-            pooled = self.samples_of[name] + self.samples
-            self.measured = [(n, p, statistics.median(pooled) if n == name else m)
-                             for n, p, m in self.measured]
+            name, plan = self.confirming.pop(0)
+            self._record(name, plan)
+            pooled = self.samples_of[name]
             self._note(model, "confirmed", plan=name, step_ms=statistics.median(pooled) * 1e3,
                        steps=len(pooled))
             self._next_candidate(model)
         # The step time is measured from here: time spent in the tuner itself is excluded.
         self.last_forward = time.perf_counter()
+
+    def _record(self, name: str, plan: list[list[int]]) -> None:
+        """Adds this phase's step times to plan `name`'s."""
+        self.plan_of[name] = plan
+        self.samples_of[name] = self.samples_of.get(name, []) + self.samples
+
+    def _measured(self) -> list[tuple[str, list[list[int]], float]]:
+        """(name, plan, median step seconds) of every plan measured so far."""
+        return [(name, plan, statistics.median(self.samples_of[name]))
+                for name, plan in self.plan_of.items()]
 
     def _plan(self, model) -> list[tuple[str, list[list[int]]]]:
         """Rank 0 predicts; everyone receives its candidates."""
@@ -139,14 +145,14 @@ class AutoTuner:
             options = [("optimal", planner.best_plan(profile, self.link, ranks))]
             options += [(f"cap {mb} MB", stepmodel.cap_plan(profile, [int(mb * 2**20)]))
                         for mb in CAPS_MB]
-            scored = sorted(options, key=lambda o: stepmodel.predict_step_ms(
-                profile, o[1], self.link, ranks))
-            distinct = []
-            for name, plan in scored:
-                if all(plan != other for _, other in distinct):
-                    distinct.append((name, plan))
-            candidates = [(name, plan, stepmodel.predict_step_ms(profile, plan, self.link, ranks))
-                          for name, plan in distinct[:TOP]]
+            scored = sorted(((name, plan, stepmodel.predict_step_ms(profile, plan, self.link,
+                                                                     ranks))
+                             for name, plan in options), key=lambda o: o[2])
+            candidates = []
+            for name, plan, predicted in scored:
+                if all(plan != other for _, other, _ in candidates):
+                    candidates.append((name, plan, predicted))
+            candidates = candidates[:TOP]
         candidates = sync.from_rank0(candidates, model.process_group)
         for name, plan, predicted in candidates:
             self._note(model, "candidate", plan=name, buckets=len(plan), predicted_ms=predicted)
@@ -159,12 +165,12 @@ class AutoTuner:
             self.phase = "measure"
             return
         if self.phase == "measure":  # all candidates measured once
-            self.confirming = close_call(self.measured)
+            self.confirming = close_call(self._measured())
         if self.confirming:
             model.apply_bucket_plan(self.confirming[0][1])
             self.phase = "confirm"
             return
-        name, plan, seconds = min(self.measured, key=lambda m: m[2])
+        name, plan, seconds = min(self._measured(), key=lambda m: m[2])
         model.apply_bucket_plan(plan)
         self.phase = "done"
         self._note(model, "chosen", plan=name, step_ms=seconds * 1e3, buckets=len(plan))

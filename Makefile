@@ -9,7 +9,7 @@ CMAKE_BUILD := build/cmake
 PYTEST_ARGS ?=
 export MAX_JOBS ?= 2
 
-.PHONY: venv build demo test cpp-test pytest bench cuda-check clean
+.PHONY: venv build demo test test-fast test-multirank test-netem cpp-test pytest bench cuda-check clean
 
 venv: $(DEPS_STAMP)
 
@@ -36,7 +36,19 @@ cpp-test: venv
 pytest: build
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
+# Everything: the C++ tests, then the three pytest layers (tests/conftest.py describes them).
 test: cpp-test pytest
+
+# The unit layer alone: no processes, seconds.
+test-fast: build
+	$(VPY) -m pytest -q $(PYTEST_ARGS) tests/unit
+
+test-multirank: build
+	$(VPY) -m pytest -q $(PYTEST_ARGS) tests/multirank
+
+# Emulated hosts: needs root and iproute2 (skipped with the reason otherwise).
+test-netem: build
+	$(VPY) -m pytest -q $(PYTEST_ARGS) tests/netem
 
 # The CUDA build, checked without a GPU: a separate venv with torch's CUDA 13.0 build, the
 # extension compiled with its CUDA kernels (csrc/cuda), imported, and the CPU test suite run

@@ -10,8 +10,8 @@ Build settings (environment):
                       1: require them; 0: never
     CUDA_HOME, TORCH_CUDA_ARCH_LIST   as for any torch CUDA extension
 """
-import glob
 import os
+import re
 import sysconfig
 
 import torch
@@ -21,8 +21,21 @@ from torch.utils import cpp_extension
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def sources(pattern):
-    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
+def build_facts(path=os.path.join(HERE, "csrc", "sources.cmake")) -> dict[str, list[str]]:
+    """The set(NAME ...) lists of csrc/sources.cmake: the one source list CMake uses too."""
+    with open(path) as f:
+        text = re.sub(r"#.*", "", f.read())
+    facts = {name: values.split() for name, values in re.findall(r"set\((\w+)\s+([^)]*)\)", text)}
+    if not facts.get("PYREDUCER_CORE_SOURCES") or not facts.get("PYREDUCER_CXX_STANDARD"):
+        raise SystemExit(f"{path}: expected set(PYREDUCER_CORE_SOURCES ...) and "
+                         f"set(PYREDUCER_CXX_STANDARD ...), found {sorted(facts)}")
+    return facts
+
+
+FACTS = build_facts()
+STANDARD = f"-std=c++{FACTS['PYREDUCER_CXX_STANDARD'][0]}"
+CPU_SOURCES = (FACTS["PYREDUCER_PLANNER_SOURCES"] + FACTS["PYREDUCER_CORE_SOURCES"]
+               + FACTS["PYREDUCER_PYTHON_SOURCES"])
 
 
 def want_cuda() -> bool:
@@ -39,18 +52,17 @@ def want_cuda() -> bool:
 
 def extension():
     # -g0: the inherited "-g" makes a 13 MB .so and a slower build.
-    cxx = ["-O2", "-g0"]  # the C++ standard is torch's choice (C++17 for 2.13, C++20 for 2.14)
+    cxx = ["-O2", "-g0", STANDARD]
     if not want_cuda():
-        return cpp_extension.CppExtension("pyreducer._C", sources("csrc/*.cpp"),
-                                          extra_compile_args=cxx)
+        return cpp_extension.CppExtension("pyreducer._C", CPU_SOURCES, extra_compile_args=cxx)
     # cuBLAS/NCCL headers that torch's CUDA headers include ship in pip's nvidia packages here.
     site = sysconfig.get_paths()["purelib"]
     includes = [p for p in (os.path.join(site, "nvidia", "cu13", "include"),
                             os.path.join(site, "nvidia", "nccl", "include")) if os.path.isdir(p)]
     return cpp_extension.CUDAExtension(
-        "pyreducer._C", sources("csrc/*.cpp") + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
+        "pyreducer._C", CPU_SOURCES + FACTS["PYREDUCER_CUDA_SOURCES"],
         include_dirs=includes, define_macros=[("PYREDUCER_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": cxx, "nvcc": ["-O2"]})
+        extra_compile_args={"cxx": cxx, "nvcc": ["-O2", STANDARD]})
 
 
 setup(ext_modules=[extension()],

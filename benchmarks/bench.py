@@ -1,4 +1,4 @@
-"""Benchmarks on an emulated cluster network (pyreducer.netem): pyreducer vs torch DDP vs the
+"""Benchmarks on an emulated cluster network (pyreducer.tools.netem): pyreducer vs torch DDP vs the
 classic baselines, bucket-size sweeps, and the overlap bound.
 
 Each rank runs in its own network namespace ("host") with its NIC rate-limited by tc tbf and is
@@ -36,7 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from pyreducer.netem import EmulatedCluster, NetemUnavailable, check_available  # noqa: E402
+from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable, check_available  # noqa: E402
 
 sys.path.insert(0, HERE)
 from tables import plot_sweep  # noqa: E402

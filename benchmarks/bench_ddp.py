@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from pyreducer.bench import compare_worker, summarize  # noqa: E402
+from pyreducer.tools.compare import compare_worker, summarize  # noqa: E402
 from pyreducer.testing import run_ranks  # noqa: E402
 
 

@@ -29,7 +29,9 @@ def _status_kib(field):
 def memory_worker(rank, world_size, model_name, steps, as_view, set_to_none):
     import torch
 
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+
+    from pyreducer.testing import models
 
     before_kib = _status_kib("VmRSS")
     spec = models.spec(model_name)

@@ -3,30 +3,41 @@ vs off (0), interleaved on the same 2 local Gloo ranks, after checking both give
 parameters. Reports median step times and the overhead in percent (per rank, worst rank).
 
     python benchmarks/bench_timeline_overhead.py [--models deep_narrow,mlp_large] [--json out.json]
+
+The recording work alone is timed by the C++ program benchmarks/cpp/timeline_recording.cpp
+(built by `make cpp-test` as build/cmake/bench_timeline_recording).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pyreducer.bench import compare_worker, summarize  # noqa: E402
+from pyreducer.tools.compare import compare_worker, summarize  # noqa: E402
 from pyreducer.testing import run_ranks  # noqa: E402
 
+RECORDING_BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build", "cmake",
+                               "bench_timeline_recording")
 VARIANTS = (("recording_off", "pyreducer", dict(timeline_iterations=0)),
             ("recording_on", "pyreducer", dict(timeline_iterations=8)))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="deep_narrow,mlp_large")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--json")
+    parser.add_argument("--models", default="deep_narrow,mlp_large",
+                        help="comma-separated models of pyreducer.testing.models")
+    parser.add_argument("--steps", type=int, default=60, help="measured steps per variant")
+    parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first")
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--recording-bench", default=RECORDING_BENCH,
+                        help="the C++ recording benchmark (make cpp-test builds it)")
     args = parser.parse_args(argv)
+    if not os.path.exists(args.recording_bench):
+        raise SystemExit(f"{args.recording_bench} not found: build it with `make cpp-test`")
     rows = []
     for model in args.models.split(","):
         results = run_ranks(compare_worker, 2, timeout_s=1200,
@@ -42,12 +53,13 @@ def main(argv=None):
                   f"{on['median_ms']:7.2f} ms  overhead {per_rank[-1]['overhead_pct']:+.2f}%",
                   flush=True)
         # Direct: the recording work alone, for this model's parameter and bucket counts.
-        from pyreducer import models
-        from pyreducer._ext import _C
+        from pyreducer.testing import models
 
         num_params = len(list(models.spec(model).build().parameters()))
         num_buckets = len(results[0]["plan"])
-        cost_ns = _C.measure_recording_cost_ns(num_params, num_buckets, 2000)
+        cost_ns = float(subprocess.run([args.recording_bench, str(num_params), str(num_buckets),
+                                        "2000"], check=True, capture_output=True,
+                                       text=True).stdout)
         step_ms = min(p["off"]["median_ms"] for p in per_rank)
         direct_pct = 100 * cost_ns / (step_ms * 1e6)
         print(f"{model:12s} direct: recording costs {cost_ns / 1e3:.2f} us per iteration "

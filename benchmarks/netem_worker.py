@@ -1,4 +1,4 @@
-"""One rank of benchmarks/bench.py, run inside an emulated host (pyreducer.netem).
+"""One rank of benchmarks/bench.py, run inside an emulated host (pyreducer.tools.netem).
 
 Runs every variant on the same model, seed and data: first checks that the communicating
 variants end with the same parameters, then times them round-robin and writes rank 0's view
@@ -20,8 +20,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from pyreducer import DistributedDataParallel, models  # noqa: E402
-from pyreducer.bench import paired_ratio, summarize  # noqa: E402
+from pyreducer import DistributedDataParallel  # noqa: E402
+
+from pyreducer.testing import models  # noqa: E402
+from pyreducer.tools.compare import paired_ratio, summarize  # noqa: E402
 from pyreducer.sync import slowest  # noqa: E402
 
 VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto")

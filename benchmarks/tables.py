@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+
+# For pyreducer.observe.plot when run as a script from a checkout (appended: an installed
+# pyreducer comes first).
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def _ms(entry: dict, variant: str) -> str:
@@ -86,16 +91,15 @@ def sweep_table(doc: dict) -> str:
 def plot_sweep(runs: list[dict], path: str) -> None:
     """Step time vs bucket cap: one panel per model, colour = link and hosts, dashed = torch DDP,
     solid = pyreducer; DDP's default caps (1 MiB first bucket, then 25 MB) as a marker at 25."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pyreducer.observe.plot import new_figure
 
     models = list(dict.fromkeys(run["model"] for run in runs))
     setups = list(dict.fromkeys((run["link"], run["hosts"]) for run in runs))
     colours = {s: f"C{i}" for i, s in enumerate(setups)}
     cols = min(2, len(models))
     rows = (len(models) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    fig = new_figure(6 * cols, 4 * rows)
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, model in zip(axes.flat, models):
         for run in (r for r in runs if r["model"] == model):
             colour = colours[(run["link"], run["hosts"])]
@@ -122,7 +126,6 @@ def plot_sweep(runs: list[dict], path: str) -> None:
     fig.suptitle("step time vs bucket size on the emulated network")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    plt.close(fig)
 
 
 def main(argv=None) -> int:

@@ -3,15 +3,16 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include "bucket.h"
 #include "bucketing.h"
 #include "comm_hook.h"
 #include "reducer.h"
+#include "timeline.h"
 
 namespace py = pybind11;
 
 namespace pyreducer {
 namespace {
-
 
 py::list assign_buckets_py(const std::vector<int64_t>& sizes_bytes,
                            const std::vector<std::string>& group_keys,
@@ -136,77 +137,66 @@ py::list timeline_records(const Reducer& reducer, size_t last) {
   });
 }
 
-}  // namespace
-}  // namespace pyreducer
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using pyreducer::Reducer;
-  using pyreducer::IterationRecord;
-  m.doc() = "pyreducer C++ core: bucket planner and gradient Reducer";
-  m.attr("DEFAULT_FIRST_BUCKET_CAP_BYTES") = pyreducer::kDefaultFirstBucketCapBytes;
-  m.attr("DEFAULT_BUCKET_CAP_BYTES") = pyreducer::kDefaultBucketCapBytes;
+// The planner and the build's constants (csrc/bucketing.h, csrc/bucket.h).
+void bind_planner(py::module_& m) {
+  m.attr("DEFAULT_FIRST_BUCKET_CAP_BYTES") = kDefaultFirstBucketCapBytes;
+  m.attr("DEFAULT_BUCKET_CAP_BYTES") = kDefaultBucketCapBytes;
 #ifdef PYREDUCER_WITH_CUDA
   m.attr("WITH_CUDA") = true;  // CUDA kernels compiled in (csrc/cuda)
 #else
   m.attr("WITH_CUDA") = false;
 #endif
-  m.def("assign_buckets", &pyreducer::assign_buckets_py, py::arg("sizes_bytes"),
-        py::arg("group_keys"), py::arg("walk_order"), py::arg("caps_bytes"),
+  m.def("assign_buckets", &assign_buckets_py, py::arg("sizes_bytes"), py::arg("group_keys"),
+        py::arg("walk_order"), py::arg("caps_bytes"),
         "Partition parameters into buckets; see csrc/bucketing.h.");
-  m.def("reverse_order", &pyreducer::reverse_order, py::arg("num_params"));
-  m.def("measure_recording_cost_ns", &pyreducer::measure_recording_cost_ns,
-        py::arg("num_params"), py::arg("num_buckets"), py::arg("iterations"),
-        "Diagnostic: ns per iteration that timeline recording costs (see csrc/timeline.h).");
+  m.def("reverse_order", &reverse_order, py::arg("num_params"));
+  m.def("group_key", &group_key, py::arg("tensor"),
+        "The bucket group key, \"dtype/device\", of a tensor (csrc/bucket.h).");
+}
 
-  py::class_<pyreducer::PyGradBucket>(m, "GradBucket",
-                                      "A bucket as torch DDP's communication hooks see it.")
-      .def("index", [](const pyreducer::PyGradBucket& b) { return b.view.index; })
-      .def("is_last", [](const pyreducer::PyGradBucket& b) { return b.view.is_last; })
-      .def("buffer", &pyreducer::PyGradBucket::buffer)
-      .def("set_buffer", &pyreducer::PyGradBucket::set_buffer, py::arg("tensor"))
-      .def("gradients", [](const pyreducer::PyGradBucket& b) { return b.view.gradients; })
-      .def("parameters", [](const pyreducer::PyGradBucket& b) { return b.view.parameters; });
+// ReducerOptions, its defaults taken from C++ (csrc/reducer.h): Python sets what it changes.
+void bind_options(py::module_& m) {
+  py::class_<ReducerOptions>(m, "ReducerOptions", "See ReducerOptions in csrc/reducer.h.")
+      .def(py::init<>())
+      .def_readwrite("find_unused_parameters", &ReducerOptions::find_unused_parameters)
+      .def_readwrite("static_graph", &ReducerOptions::static_graph)
+      .def_readwrite("gradient_as_bucket_view", &ReducerOptions::gradient_as_bucket_view)
+      .def_readwrite("rebuild_buckets", &ReducerOptions::rebuild_buckets)
+      .def_readwrite("rebuild_caps_bytes", &ReducerOptions::rebuild_caps_bytes)
+      .def_readwrite("batched_grad_copy", &ReducerOptions::batched_grad_copy)
+      .def_readwrite("timeline_iterations", &ReducerOptions::timeline_iterations);
+}
 
-  py::class_<Reducer>(m, "Reducer")
-      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> param_names,
-                       const std::vector<std::vector<int64_t>>& initial_plan,
-                       pyreducer::ProcessGroupPtr group, std::vector<int64_t> rebuild_caps_bytes,
-                       bool find_unused_parameters, bool static_graph,
-                       bool gradient_as_bucket_view, size_t timeline_iterations,
-                       bool batched_grad_copy) {
-             pyreducer::ReducerOptions options;
-             options.rebuild_caps_bytes = std::move(rebuild_caps_bytes);
-             options.find_unused_parameters = find_unused_parameters;
-             options.static_graph = static_graph;
-             options.gradient_as_bucket_view = gradient_as_bucket_view;
-             options.timeline_iterations = timeline_iterations;
-             options.batched_grad_copy = batched_grad_copy;
-             return std::make_unique<Reducer>(std::move(params), std::move(param_names),
-                                              initial_plan, std::move(group), std::move(options));
-           }),
-           py::arg("params"), py::arg("param_names"), py::arg("initial_plan"),
-           py::arg("process_group"), py::arg("rebuild_caps_bytes"),
-           py::arg("find_unused_parameters") = false, py::arg("static_graph") = false,
-           py::arg("gradient_as_bucket_view") = false, py::arg("timeline_iterations") = 8,
-           py::arg("batched_grad_copy") = false)
+// torch DDP's GradBucket, as Python communication hooks see it.
+void bind_grad_bucket(py::module_& m) {
+  py::class_<PyGradBucket>(m, "GradBucket", "A bucket as torch DDP's communication hooks see it.")
+      .def("index", [](const PyGradBucket& b) { return b.view.index; })
+      .def("is_last", [](const PyGradBucket& b) { return b.view.is_last; })
+      .def("buffer", &PyGradBucket::buffer)
+      .def("set_buffer", &PyGradBucket::set_buffer, py::arg("tensor"))
+      .def("gradients", [](const PyGradBucket& b) { return b.view.gradients; })
+      .def("parameters", [](const PyGradBucket& b) { return b.view.parameters; });
+}
+
+std::shared_ptr<CommHook> builtin_hook(ProcessGroupPtr group, const std::string& name) {
+  if (name == "fp16") return std::make_shared<CompressHook>(std::move(group), at::kHalf);
+  if (name == "bf16") return std::make_shared<CompressHook>(std::move(group), at::kBFloat16);
+  throw std::invalid_argument("unknown builtin hook '" + name + "'; expected 'fp16' or 'bf16'");
+}
+
+// The Reducer, held by shared_ptr (see Reducer::create). Methods that may block release the GIL.
+void bind_reducer(py::module_& m) {
+  py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
+      .def(py::init(&Reducer::create), py::arg("params"), py::arg("param_names"),
+           py::arg("initial_plan"), py::arg("process_group"), py::arg("options"))
       .def("register_comm_hook",
            [](Reducer& reducer, py::object state, py::object hook) {
              reducer.register_comm_hook(
-                 std::make_shared<pyreducer::PythonCommHook>(std::move(state), std::move(hook)));
+                 std::make_shared<PythonCommHook>(std::move(state), std::move(hook)));
            })
       .def("register_builtin_hook",
-           [](Reducer& reducer, pyreducer::ProcessGroupPtr group, const std::string& name) {
-             at::ScalarType dtype;
-             if (name == "fp16") {
-               dtype = at::kHalf;
-             } else if (name == "bf16") {
-               dtype = at::kBFloat16;
-             } else {
-               throw std::invalid_argument("unknown builtin hook '" + name +
-                                           "'; expected 'fp16' or 'bf16'");
-             }
-             reducer.register_comm_hook(
-                 std::make_shared<pyreducer::CompressHook>(std::move(group), dtype));
+           [](Reducer& reducer, ProcessGroupPtr group, const std::string& name) {
+             reducer.register_comm_hook(builtin_hook(std::move(group), name));
            })
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
@@ -214,10 +204,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("complete_ready_order", &Reducer::complete_ready_order)
       .def("apply_plan", &Reducer::apply_plan, py::arg("plan"))
       .def("rebuild_buckets", &Reducer::rebuild_buckets, py::call_guard<py::gil_scoped_release>())
-      .def("bucket_layout", &pyreducer::bucket_layout)
+      .def("bucket_layout", &bucket_layout)
       .def("bucket_buffers", &Reducer::bucket_buffers)
-      .def("timeline", &pyreducer::timeline_records, py::arg("last"))
-      .def_static("now_ns", &pyreducer::Timeline::now_ns)
+      .def("timeline", &timeline_records, py::arg("last"))
+      .def_static("now_ns", &Timeline::now_ns)
       .def_property_readonly("armed", &Reducer::armed)
       .def_property_readonly("world_size", &Reducer::world_size);
+}
+
+}  // namespace
+}  // namespace pyreducer
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pyreducer C++ core: bucket planner and gradient Reducer";
+  pyreducer::bind_planner(m);
+  pyreducer::bind_options(m);
+  pyreducer::bind_grad_bucket(m);
+  pyreducer::bind_reducer(m);
 }

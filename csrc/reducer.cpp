@@ -1,7 +1,6 @@
 #include "reducer.h"
 
 #include <stdexcept>
-#include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -33,29 +32,29 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   size_t index_;
 };
 
-// Live reducers by id: a graph (and its Sink) can outlive the wrapper that built it, so the
-// Sink looks its reducer up instead of holding a pointer that may dangle.
-std::mutex registry_mutex;
-std::unordered_map<int64_t, Reducer*>& registry() {
-  static std::unordered_map<int64_t, Reducer*> reducers;
-  return reducers;
-}
-int64_t next_reducer_id = 1;
+// A weak reference to a Reducer that can travel in an autograd context's saved data.
+struct ReducerRef : torch::CustomClassHolder {
+  explicit ReducerRef(std::weak_ptr<Reducer> r) : reducer(std::move(r)) {}
+  std::weak_ptr<Reducer> reducer;
+};
 
 // Identity on the forward's outputs; its backward is the first node of the outer backward.
-// See Note [Reducer iteration].
+// See Note [Reducer iteration]. It holds its Reducer weakly: a graph (and this node) can
+// outlive the wrapper that built it, and then does nothing.
 struct Sink : public torch::autograd::Function<Sink> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                at::TensorList outputs, int64_t reducer_id) {
+                                                at::TensorList outputs,
+                                                std::weak_ptr<Reducer> reducer) {
     ctx->set_materialize_grads(false);  // unused outputs keep undefined gradients
-    ctx->saved_data["reducer_id"] = reducer_id;
+    ctx->saved_data["reducer"] =
+        c10::IValue::make_capsule(c10::make_intrusive<ReducerRef>(std::move(reducer)));
     return outputs.vec();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    std::lock_guard<std::mutex> lock(registry_mutex);
-    auto found = registry().find(ctx->saved_data["reducer_id"].toInt());
-    if (found != registry().end()) found->second->on_backward_start();
+    auto ref = c10::static_intrusive_pointer_cast<ReducerRef>(
+        ctx->saved_data["reducer"].toCapsule());
+    if (std::shared_ptr<Reducer> reducer = ref->reducer.lock()) reducer->on_backward_start();
     grads.emplace_back();  // no gradient for the reducer argument
     return grads;
   }
@@ -90,25 +89,19 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
   world_size_ = group_->getSize();
   grad_scale_ = 1.0 / static_cast<double>(world_size_);
   install_plan(initial_plan);
-  rebuild_pending_ = !options_.rebuild_caps_bytes.empty();
+  rebuild_pending_ = options_.rebuild_buckets;
   bool one_device = !params_.empty();
   for (const at::Tensor& p : params_) one_device = one_device && p.device() == params_[0].device();
   if (one_device) {
-    device_timeline_ = make_device_timeline(static_cast<int>(params_[0].device().type()),
-                                            params_[0].device().index(),
-                                            options_.timeline_iterations, params_.size());
+    device_timeline_ = make_device_timeline(params_[0].device(), options_.timeline_iterations,
+                                            params_.size());
   }
   ready_order_.reserve(params_.size());
   if (!params_.empty()) {
     used_map_ = at::zeros({static_cast<int64_t>(params_.size())},
                           at::TensorOptions().dtype(at::kInt).device(params_[0].device()));
   }
-
-  {
-    std::lock_guard<std::mutex> lock(registry_mutex);
-    id_ = next_reducer_id++;
-    registry()[id_] = this;
-  }
+  // The hooks hold a raw pointer: ~Reducer removes them before the Reducer is gone.
   accumulators_.reserve(params_.size());
   hook_keys_.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -119,11 +112,16 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
   }
 }
 
+std::shared_ptr<Reducer> Reducer::create(std::vector<at::Tensor> params,
+                                         std::vector<std::string> param_names,
+                                         const std::vector<std::vector<int64_t>>& initial_plan,
+                                         ProcessGroupPtr group, ReducerOptions options) {
+  // Not make_shared: the constructor is private, so every Reducer is owned by a shared_ptr.
+  return std::shared_ptr<Reducer>(new Reducer(std::move(params), std::move(param_names),
+                                              initial_plan, std::move(group), std::move(options)));
+}
+
 Reducer::~Reducer() {
-  {
-    std::lock_guard<std::mutex> lock(registry_mutex);
-    registry().erase(id_);
-  }
   for (size_t i = 0; i < accumulators_.size(); ++i) {
     accumulators_[i]->del_post_hook(hook_keys_[i]);
   }
@@ -176,7 +174,7 @@ std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tens
   }
   std::vector<at::Tensor> result = outputs;
   if (!with_grad.empty()) {
-    auto sunk = Sink::apply(at::TensorList(with_grad), id_);
+    auto sunk = Sink::apply(at::TensorList(with_grad), weak_from_this());
     for (size_t k = 0; k < positions.size(); ++k) result[positions[k]] = sunk[k];
   }
   return result;
@@ -222,7 +220,10 @@ void Reducer::begin_backward() {
                             set_.buckets.size(), Timeline::now_ns());
   if (record_ && device_timeline_) device_timeline_->begin(record_->slot);
   if (!finalize_queued_) {
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [reducer = weak_from_this()] {
+          if (std::shared_ptr<Reducer> self = reducer.lock()) self->finalize_backward();
+        });
     finalize_queued_ = true;
   }
   if (dynamic_find_unused() || static_after_first_iteration()) {

@@ -44,6 +44,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "bucket.h"
+#include "bucketing.h"
 #include "comm.h"
 #include "comm_hook.h"
 #include "timeline.h"
@@ -54,12 +55,17 @@ struct Node;
 
 namespace pyreducer {
 
+// The Reducer's options. Each default is stated here once; the Python wrapper reads the ones it
+// exposes from a default-constructed ReducerOptions (bindings.cpp).
 struct ReducerOptions {
   bool find_unused_parameters = false;  // see Note [Unused parameters]
   bool static_graph = false;
   bool gradient_as_bucket_view = false;  // param.grad aliases its bucket slot
-  // Caps for the one rebuild (see assign_buckets); empty = never rebuild.
-  std::vector<int64_t> rebuild_caps_bytes;
+  // Re-plan the buckets once along the observed ready order (see Note [Bucket rebuild]), with
+  // these caps (see assign_buckets). torch DDP does unless find_unused_parameters is set
+  // without static_graph, or (pyreducer) a plan was given.
+  bool rebuild_buckets = true;
+  std::vector<int64_t> rebuild_caps_bytes{kDefaultFirstBucketCapBytes, kDefaultBucketCapBytes};
   // Copy a bucket's gradients in one fused pass when its last gradient arrives (torch DDP's
   // batched_grad_copy), instead of one copy per gradient as each arrives.
   bool batched_grad_copy = false;
@@ -67,13 +73,16 @@ struct ReducerOptions {
   size_t timeline_iterations = 8;
 };
 
-class Reducer {
+// Owned through a shared_ptr (create()): the output sink and the end-of-backward callback hold
+// weak references, so a graph that outlives its Reducer finds it gone instead of dangling.
+class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
   // Builds the buckets of `initial_plan` (see make_buckets) and hooks every parameter's
   // AccumulateGrad node. `param_names[i]` names `params[i]` in errors. Python thread, once.
-  Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_names,
-          const std::vector<std::vector<int64_t>>& initial_plan, ProcessGroupPtr group,
-          ReducerOptions options);
+  static std::shared_ptr<Reducer> create(std::vector<at::Tensor> params,
+                                         std::vector<std::string> param_names,
+                                         const std::vector<std::vector<int64_t>>& initial_plan,
+                                         ProcessGroupPtr group, ReducerOptions options);
 
   // Removes the hooks. Must not run during a backward that uses these parameters.
   ~Reducer();
@@ -132,6 +141,10 @@ class Reducer {
   }
 
  private:
+  Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_names,
+          const std::vector<std::vector<int64_t>>& initial_plan, ProcessGroupPtr group,
+          ReducerOptions options);
+
   // All private methods require mutex_.
   bool dynamic_find_unused() const { return options_.find_unused_parameters && !options_.static_graph; }
   bool static_first_iteration() const { return options_.static_graph && num_iterations_ == 1; }
@@ -157,7 +170,6 @@ class Reducer {
   BucketSet set_;
   ProcessGroupPtr group_;
   ReducerOptions options_;
-  int64_t id_ = 0;  // in the registry the output sink uses (reducer.cpp)
   int64_t world_size_ = 1;
   double grad_scale_ = 1.0;  // 1 / world_size
 

@@ -35,43 +35,13 @@ IterationRecord* Timeline::begin(int64_t iteration, int64_t plan_version, size_t
   return &slot;
 }
 
-namespace {
-DeviceTimelineFactory& device_timeline_factory() {
-  static DeviceTimelineFactory factory = nullptr;
-  return factory;
-}
-}  // namespace
-
-void register_device_timeline_factory(DeviceTimelineFactory factory) {
-  device_timeline_factory() = factory;
-}
-
-std::unique_ptr<DeviceTimeline> make_device_timeline(int device_type, int device_index,
-                                                     size_t slots, size_t max_buckets) {
-  DeviceTimelineFactory factory = device_timeline_factory();
-  if (factory == nullptr || slots == 0) return nullptr;
-  return factory(device_type, device_index, slots, max_buckets);
-}
-
-double measure_recording_cost_ns(size_t num_params, size_t num_buckets, size_t iterations) {
-  Timeline timeline(8, num_params);
-  const int64_t start = Timeline::now_ns();
-  for (size_t it = 0; it < iterations; ++it) {
-    IterationRecord* r = timeline.begin(static_cast<int64_t>(it), 0, num_buckets,
-                                        Timeline::now_ns());
-    for (size_t i = 0; i < num_params; ++i) r->grad_ready_ns[i] = Timeline::now_ns();
-    for (size_t b = 0; b < num_buckets; ++b) {
-      r->bucket_ready_ns[b] = Timeline::now_ns();
-      r->bucket_launch_ns[b] = Timeline::now_ns();
-      r->bucket_done_ns[b].store(Timeline::now_ns(), std::memory_order_release);
-    }
-    r->backward_end_ns = Timeline::now_ns();
-    r->wait_start_ns = Timeline::now_ns();
-    r->wait_end_ns = Timeline::now_ns();
-    r->finalize_end_ns = Timeline::now_ns();
-    r->complete = true;
-  }
-  return static_cast<double>(Timeline::now_ns() - start) / static_cast<double>(iterations);
+std::unique_ptr<DeviceTimeline> make_device_timeline(c10::Device device, size_t slots,
+                                                     size_t max_buckets) {
+  if (slots == 0) return nullptr;
+#ifdef PYREDUCER_WITH_CUDA
+  if (device.is_cuda()) return make_cuda_timeline(device.index(), slots, max_buckets);
+#endif
+  return nullptr;
 }
 
 std::vector<const IterationRecord*> Timeline::completed(size_t last) const {

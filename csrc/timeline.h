@@ -20,6 +20,8 @@
 #include <memory>
 #include <vector>
 
+#include <c10/core/Device.h>
+
 namespace pyreducer {
 
 struct IterationRecord {
@@ -67,11 +69,6 @@ class Timeline {
   size_t next_ = 0;
 };
 
-// Mean nanoseconds the recording of one iteration costs for `num_params` parameters in
-// `num_buckets` buckets, measured over `iterations` simulated iterations (what the Reducer does
-// per iteration: begin, one stamp per gradient, three per bucket, five per iteration).
-double measure_recording_cost_ns(size_t num_params, size_t num_buckets, size_t iterations);
-
 }  // namespace pyreducer
 
 namespace pyreducer {
@@ -79,8 +76,8 @@ namespace pyreducer {
 // Device-side times (see Note [Timeline]): on GPU, events recorded in stream order at backward
 // start, when each bucket's copy-in is enqueued (ready), after the final wait for each bucket
 // (done: the current stream has waited for that collective), and after the copy back. Only CUDA
-// builds provide an implementation (cuda/cuda_timeline.cpp, compiled, not run here); elsewhere
-// no DeviceTimeline exists and only host times are recorded.
+// builds provide an implementation (cuda/cuda_timeline.cpp, compiled, not run); elsewhere no
+// DeviceTimeline exists and only host times are recorded.
 struct DeviceTimes {
   bool valid = false;
   std::vector<float> bucket_ready_ms;  // since backward start, on the device
@@ -100,14 +97,16 @@ class DeviceTimeline {
   virtual DeviceTimes read(size_t slot, size_t num_buckets) = 0;
 };
 
-// A CUDA build registers a factory at load time; make_device_timeline returns null for devices
-// (or builds) without one.
-using DeviceTimelineFactory = std::unique_ptr<DeviceTimeline> (*)(int device_type,
-                                                                  int device_index,
-                                                                  size_t slots,
-                                                                  size_t max_buckets);
-void register_device_timeline_factory(DeviceTimelineFactory factory);
-std::unique_ptr<DeviceTimeline> make_device_timeline(int device_type, int device_index,
-                                                     size_t slots, size_t max_buckets);
+// The device timeline for parameters on `device`, with `slots` iteration slots of up to
+// `max_buckets` buckets: a CudaTimeline for a CUDA device in a CUDA build (chosen here at compile
+// time, no registration), else null. Python thread (Reducer construction).
+std::unique_ptr<DeviceTimeline> make_device_timeline(c10::Device device, size_t slots,
+                                                     size_t max_buckets);
+
+#ifdef PYREDUCER_WITH_CUDA
+// cuda/cuda_timeline.cpp (CUDA builds only).
+std::unique_ptr<DeviceTimeline> make_cuda_timeline(c10::DeviceIndex device, size_t slots,
+                                                   size_t max_buckets);
+#endif
 
 }  // namespace pyreducer

@@ -7,7 +7,7 @@ is a drop-in replacement for torch.nn.parallel.DistributedDataParallel.
 import torch  # noqa: F401  (must load before the extension)
 
 from pyreducer._ext import _C  # noqa: F401
+from pyreducer._version import __version__
 from pyreducer.distributed import DistributedDataParallel
 
-__all__ = ["DistributedDataParallel"]
-__version__ = "0.1.0"
+__all__ = ["DistributedDataParallel", "__version__"]

@@ -1,7 +1,7 @@
 """`python -m pyreducer demo | trace` (see pyreducer/cli.py)."""
 import sys
 
-from pyreducer.cli import main
+from pyreducer.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

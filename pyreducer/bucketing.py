@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 
-import torch
-
 from pyreducer._ext import _C
 
 MIB = 1024 * 1024
@@ -39,24 +37,24 @@ def caps_bytes(bucket_cap_mb: float | None, bucket_cap_mb_list: list[float] | No
     return caps
 
 
-def assign_buckets(params: list[torch.Tensor], caps: list[int],
+def assign_buckets(sizes_bytes: list[int], group_keys: list[str], caps: list[int],
                    walk_order: list[int] | None = None) -> list[list[int]]:
     """Bucket parameter indices, in launch order (the C++ planner, csrc/bucketing.h).
 
     Args:
-        params: the reduced parameters, in definition order.
+        sizes_bytes, group_keys: per parameter, in definition order (see ReducedParams).
         caps: per-bucket caps in bytes (see caps_bytes).
         walk_order: the order gradients are expected to become ready; default reverse
             definition order.
     """
     if walk_order is None:
-        walk_order = _C.reverse_order(len(params))
-    plan = _C.assign_buckets([p.numel() * p.element_size() for p in params],
-                             [group_key(p) for p in params], list(walk_order), list(caps))
+        walk_order = _C.reverse_order(len(sizes_bytes))
+    plan = _C.assign_buckets(list(sizes_bytes), list(group_keys), list(walk_order), list(caps))
     return [bucket["param_indices"] for bucket in plan]
 
 
-def initial_plan(params: list[torch.Tensor], caps: list[int], one_bucket: bool) -> list[list[int]]:
+def initial_plan(sizes_bytes: list[int], group_keys: list[str], caps: list[int],
+                 one_bucket: bool) -> list[list[int]]:
     """torch DDP's plan for the first iteration, reproduced exactly (so results match bit for bit).
 
     DDP walks parameters in definition order, closes buckets at the caps, and launches the
@@ -64,14 +62,9 @@ def initial_plan(params: list[torch.Tensor], caps: list[int], one_bucket: bool) 
     find_unused_parameters it uses one bucket for everything in the first iteration and rebuilds
     from the observed ready order afterwards (see Note [Bucket rebuild] in csrc/reducer.h).
     """
-    walk = list(range(len(params)))
-    return list(reversed(assign_buckets(params, [ONE_BUCKET_CAP_BYTES] if one_bucket else caps,
-                                        walk)))
-
-
-def group_key(tensor: torch.Tensor) -> str:
-    """Parameters with different keys (dtype, device) never share a bucket."""
-    return f"{tensor.dtype}/{tensor.device}"
+    walk = list(range(len(sizes_bytes)))
+    caps = [ONE_BUCKET_CAP_BYTES] if one_bucket else caps
+    return list(reversed(assign_buckets(sizes_bytes, group_keys, caps, walk)))
 
 
 def plan_from_names(plan, names: list[str]) -> list[list[int]]:

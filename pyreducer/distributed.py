@@ -4,36 +4,35 @@ Swap `from torch.nn.parallel import DistributedDataParallel as DDP` for
 `from pyreducer import DistributedDataParallel as DDP`: same arguments, names and defaults as the
 installed torch's DDP. The gradient path (hook, copy into bucket, all-reduce launch, copy back) is
 the C++ Reducer (csrc/reducer.cpp); this module builds it and does what DDP does around forward.
+It is the only module that reads the wrapper's private attributes: the modules beside it (join,
+timeline, tuning, tracing) get the ReducedParams (pyreducer.params) built here.
 """
 from __future__ import annotations
 
-import dataclasses
+import os
 import warnings
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 from torch import nn
-
 from torch.distributed.algorithms.join import Join, Joinable
 
-from pyreducer import bucketing, sync
+from pyreducer import arguments, bucketing, nested, sync
 from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.join import ReducerJoinHook, find_common_rank, vote_backward_sync
-from pyreducer.tuning.api import TuningMixin
+from pyreducer.params import ReducedParams, reduced_parameters
+from pyreducer.tuning.autotune import AutotuneConfig, AutoTuner
+from pyreducer.tuning.control import BucketTuning
 
-# Arguments of torch DDP that pyreducer does not serve yet: passing a non-default value raises
-# NotImplementedError naming the argument (nothing is ignored silently).
-_NOT_YET = {
-    "delay_all_reduce_named_params": None,
-    "param_to_hook_all_reduce": None,
-    "mixed_precision": None,
-    "skip_all_reduce_unused_params": False,
-}
+# The Reducer's defaults (csrc/reducer.h ReducerOptions), stated there once.
+_DEFAULTS = _C.ReducerOptions()
+# PYREDUCER_TRACE=<dir>: every wrapper records its rank's timeline and profile into <dir> at
+# exit, for `python -m pyreducer report <dir>` (pyreducer/observe/recorder.py).
+TRACE_ENV = "PYREDUCER_TRACE"
 
 
-class DistributedDataParallel(TuningMixin, nn.Module, Joinable):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel wrapper: averages gradients across ranks during backward.
 
     Arguments are torch DDP's (torch 2.13), with DDP's meaning and defaults; see
@@ -48,7 +47,8 @@ class DistributedDataParallel(TuningMixin, nn.Module, Joinable):
         timeline_iterations: how many synced iterations the per-bucket timeline keeps (see
             timeline()); 0 turns recording off.
 
-    bucket_cap_mb="auto" turns on online autotune (pyreducer.tuning.autotune).
+    bucket_cap_mb="auto" (or a pyreducer.tuning.AutotuneConfig) turns on online autotune
+    (pyreducer/tuning/autotune.py).
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
@@ -58,28 +58,23 @@ class DistributedDataParallel(TuningMixin, nn.Module, Joinable):
                  delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
-                 *, bucket_plan=None, timeline_iterations=8):
+                 *, bucket_plan=None, timeline_iterations=_DEFAULTS.timeline_iterations):
         super().__init__()
         Joinable.__init__(self)
-        given = dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
-                     param_to_hook_all_reduce=param_to_hook_all_reduce,
-                     mixed_precision=mixed_precision,
-                     skip_all_reduce_unused_params=skip_all_reduce_unused_params)
-        for name, default in _NOT_YET.items():
-            if given[name] != default:
-                raise NotImplementedError(
-                    f"pyreducer.DistributedDataParallel does not support {name}={given[name]!r} "
-                    f"yet (only the default, {default!r}).")
+        arguments.refuse_unsupported(dict(
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params))
         if check_reduction:
             warnings.warn("The `check_reduction` argument is deprecated (as in torch DDP) and "
                           "has no effect.", FutureWarning, stacklevel=2)
-
-        self.process_group = _resolve_group(process_group, device_mesh)
-        _check_module(module)
+        self.process_group = arguments.resolve_group(process_group, device_mesh)
+        arguments.check_module(module, (DistributedDataParallel,))
         self.module = module
         self.dim = dim
-        self.device_ids, self.output_device = _resolve_devices(module, device_ids, output_device)
-        self.forward_sync_buffers, init_sync_buffers = _resolve_buffer_sync(
+        self.device_ids, self.output_device = arguments.resolve_devices(module, device_ids,
+                                                                        output_device)
+        self.forward_sync_buffers, init_sync_buffers = arguments.resolve_buffer_sync(
             broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -88,46 +83,67 @@ class DistributedDataParallel(TuningMixin, nn.Module, Joinable):
         self.require_forward_param_sync = True
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
-        named = _reduced_parameters(module, self.parameters_to_ignore)
+        self._params = self._collect_params()
+        if init_sync:
+            self._sync_at_construction(init_sync_buffers)
+        autotune_config, bucket_cap_mb = _autotune_request(bucket_cap_mb)
+        self.bucket_caps_bytes = bucketing.caps_bytes(bucket_cap_mb, bucket_cap_mb_list)
+        self.bucket_bytes_cap = max(self.bucket_caps_bytes)
+        self.reducer = self._build_reducer(bucket_plan, bool(bucket_cap_mb_list),
+                                           batched_grad_copy, timeline_iterations)
+        self._tuning = BucketTuning(self._params, self.reducer)
+        self._autotune = AutoTuner(autotune_config, self._tuning) if autotune_config else None
+        self._recorder = self._start_recorder_if_asked()
+
+    # -- construction steps ----------------------------------------------------------------------
+    def _collect_params(self) -> ReducedParams:
+        named = reduced_parameters(self.module, self.parameters_to_ignore)
         if not named:
             raise RuntimeError(
                 "pyreducer.DistributedDataParallel is not needed when a module doesn't have any "
                 "parameter that requires a gradient (found none outside the ignored set "
                 f"{sorted(self.parameters_to_ignore)}).")
-        self._param_names = [name for name, _ in named]
-        params = [p for _, p in named]
-        self._params = params
+        return ReducedParams.of(named, self.process_group, self.module,
+                                frozenset(self.parameters_to_ignore))
 
-        if init_sync:
-            sync.verify_same_model(named, self.process_group)
-            states = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
-            if init_sync_buffers:
-                states += self._module_buffers()
-            sync.broadcast_coalesced(states, self.process_group)
+    def _sync_at_construction(self, with_buffers: bool) -> None:
+        """As torch DDP: the same model on every rank (checked), then rank 0's state on all."""
+        sync.verify_same_model(list(zip(self._params.names, self._params.tensors)),
+                               self.process_group)
+        sync.broadcast_coalesced(self._params.states(with_buffers), self.process_group)
 
-        self._autotune = None
-        if bucket_cap_mb == "auto":
-            from pyreducer.tuning.autotune import AutoTuner
-
-            self._autotune, bucket_cap_mb = AutoTuner(), None
-        self.bucket_caps_bytes = bucketing.caps_bytes(bucket_cap_mb, bucket_cap_mb_list)
-        self.bucket_bytes_cap = max(self.bucket_caps_bytes)
-        # torch DDP's schedule: with a static graph or without unused-parameter search, one
-        # bucket for the first iteration, then a rebuild along the observed ready order.
-        rebuild = (static_graph or not find_unused_parameters) and bucket_plan is None
+    def _build_reducer(self, bucket_plan, caps_per_bucket: bool, batched_grad_copy: bool,
+                       timeline_iterations: int):
+        """The C++ Reducer with torch DDP's schedule: with a static graph or without
+        unused-parameter search, one bucket for the first iteration, then a rebuild along the
+        observed ready order; a given bucket_plan is replayed as is."""
+        params = self._params
+        options = _C.ReducerOptions()
+        options.find_unused_parameters = self.find_unused_parameters
+        options.static_graph = self.static_graph
+        options.gradient_as_bucket_view = self.gradient_as_bucket_view
+        options.batched_grad_copy = batched_grad_copy
+        options.timeline_iterations = timeline_iterations
+        options.rebuild_buckets = ((self.static_graph or not self.find_unused_parameters)
+                                   and bucket_plan is None)
+        options.rebuild_caps_bytes = self.bucket_caps_bytes
         if bucket_plan is not None:
-            plan = bucketing.plan_from_names(bucket_plan, self._param_names)
+            plan = bucketing.plan_from_names(bucket_plan, params.names)
             sync.verify_same_plan(plan, self.process_group)
         else:
-            plan = bucketing.initial_plan(params, self.bucket_caps_bytes,
-                                          one_bucket=rebuild and not bucket_cap_mb_list)
-        self.reducer = _C.Reducer(params, self._param_names, plan, self.process_group,
-                                  self.bucket_caps_bytes if rebuild else [],
-                                  find_unused_parameters=find_unused_parameters,
-                                  static_graph=static_graph,
-                                  gradient_as_bucket_view=gradient_as_bucket_view,
-                                  timeline_iterations=timeline_iterations,
-                                  batched_grad_copy=batched_grad_copy)
+            plan = bucketing.initial_plan(params.sizes_bytes, params.group_keys,
+                                          self.bucket_caps_bytes,
+                                          one_bucket=options.rebuild_buckets and not caps_per_bucket)
+        return _C.Reducer(list(params.tensors), list(params.names), plan, self.process_group,
+                          options)
+
+    def _start_recorder_if_asked(self):
+        out_dir = os.environ.get(TRACE_ENV)
+        if not out_dir:
+            return None
+        from pyreducer.observe.recorder import Recorder  # a tool: loaded only when asked for
+
+        return Recorder.attach(self, self._params, self.reducer, out_dir)
 
     # -- DDP's forward ---------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -141,20 +157,19 @@ class DistributedDataParallel(TuningMixin, nn.Module, Joinable):
                         raise NotImplementedError(
                             "bucket_cap_mb='auto' cannot be combined with join(): joined ranks "
                             "would not take part in the autotune's measurements")
-                    self._autotune.before_forward(self)
+                    self._autotune.before_forward()
             if self.require_forward_param_sync and self.forward_sync_buffers:
                 self._sync_buffers()
             if self._join_config.enable:
-                vote_backward_sync(self, joined=False)
+                vote_backward_sync(self._params, self.require_backward_grad_sync, joined=False)
             if self.device_ids:
-                device = torch.device(self._device_type, self.device_ids[0])
+                device = torch.device(self._params.device.type, self.device_ids[0])
                 inputs, kwargs = _to_device(inputs, device), _to_device(kwargs, device)
             output = self.module(*inputs, **kwargs)
             if torch.is_grad_enabled() and self.require_backward_grad_sync:
                 self.require_forward_param_sync = True
-                tensors = []
-                _collect_tensors(output, tensors)
-                output = _replace_tensors(output, iter(self.reducer.prepare_for_backward(tensors)))
+                sunk = self.reducer.prepare_for_backward(nested.tensors(output))
+                output = nested.replace_tensors(output, sunk)
             else:
                 self.require_forward_param_sync = False
                 self.reducer.note_unsynced_forward()
@@ -181,17 +196,39 @@ class DistributedDataParallel(TuningMixin, nn.Module, Joinable):
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
 
+    def _sync_buffers(self) -> None:
+        # Under join(), rank 0 may have joined with stale buffers: the largest training rank
+        # is the source instead (joined ranks shadow this in ReducerJoinHook.main_hook).
+        if not self._params.buffers():
+            return
+        src = find_common_rank(self._params, True) if self._join_config.enable else 0
+        sync.sync_buffers(self._params, src)
+
     # -- inspection ------------------------------------------------------------------------------
     def bucket_plan(self) -> list[dict]:
         """The buckets in launch order: parameter names (slot order), dtype, device, bytes."""
-        params = dict(zip(self._param_names, self._params))
+        names, tensors = self._params.names, self._params.tensors
         plan = []
         for index, bucket in enumerate(self.reducer.bucket_layout()):
-            names = [self._param_names[k] for k in bucket["param_indices"]]
-            plan.append(dict(index=index, params=names, dtype=str(params[names[0]].dtype),
-                             device=str(params[names[0]].device),
+            first = tensors[bucket["param_indices"][0]]
+            plan.append(dict(index=index, params=[names[k] for k in bucket["param_indices"]],
+                             dtype=str(first.dtype), device=str(first.device),
                              size_bytes=bucket["size_bytes"]))
         return plan
+
+    def save_bucket_plan(self, path) -> None:
+        """Writes bucket_plan() as JSON; pass the path as bucket_plan= to replay it."""
+        bucketing.save_plan(self.bucket_plan(), path)
+
+    def timeline(self, last: int = 1) -> list[dict]:
+        """The last `last` synced iterations' events on this rank (fields: pyreducer.timeline)."""
+        return timeline_module.records(self._params, self.reducer, last)
+
+    def overlap_stats(self, last: int | None = None) -> dict:
+        """Overlap of communication with backward, per iteration and averaged, from the
+        recorded timeline (definitions: pyreducer.timeline)."""
+        return timeline_module.overlap_stats(
+            self.timeline(last if last is not None else 1 << 30))
 
     # -- communication hooks ---------------------------------------------------------------------
     def register_comm_hook(self, state: object, hook) -> None:
@@ -214,19 +251,45 @@ class DistributedDataParallel(TuningMixin, nn.Module, Joinable):
         """
         self.reducer.register_builtin_hook(self.process_group, name)
 
-    def timeline(self, last: int = 1) -> list[dict]:
-        """The last `last` synced iterations' events on this rank (fields: pyreducer.timeline)."""
-        return timeline_module.records(self, last)
+    # -- bucket tuning (pyreducer/tuning/control.py) ---------------------------------------------
+    def profile(self, forward_ms: float = 0.0, optimizer_ms: float = 0.0, last: int = 3):
+        """This rank's step profile (gradient ready times, sizes) from the last iterations."""
+        return self._tuning.profile(forward_ms, optimizer_ms, last)
 
-    def overlap_stats(self, last: int | None = None) -> dict:
-        """Overlap of communication with backward, per iteration and averaged, from the
-        recorded timeline (definitions: pyreducer.timeline)."""
-        return timeline_module.overlap_stats(
-            self.timeline(last if last is not None else 1 << 30))
+    def plan_buckets(self, link=None, forward_ms: float = 0.0, optimizer_ms: float = 0.0) -> dict:
+        """The plan that minimises the predicted step time, next to the current plan's and torch
+        DDP's default; call on every rank (probes the link, and on CPU its contention, unless
+        `link` is given; rank 0's answer is broadcast). Apply it with
+        apply_bucket_plan(result["plan"]) or save it."""
+        return self._tuning.plan_buckets(link, forward_ms, optimizer_ms)
 
-    def save_bucket_plan(self, path) -> None:
-        """Writes bucket_plan() as JSON; pass the path as bucket_plan= to replay it."""
-        bucketing.save_plan(self.bucket_plan(), path)
+    def apply_bucket_plan(self, plan) -> None:
+        """Uses `plan` (parameter indices or names per bucket, launch order) from now on; call on
+        every rank between iterations; rank 0's plan is the one applied."""
+        self._tuning.apply_bucket_plan(plan)
+
+    @property
+    def autotune_log(self) -> list[dict]:
+        """Online autotune's decisions so far (empty without bucket_cap_mb="auto")."""
+        return self._autotune.log if self._autotune is not None else []
+
+    # -- uneven inputs (torch.distributed.algorithms.join protocol) -------------------------------
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """Context manager for uneven inputs, as torch DDP's join(); see pyreducer/join.py."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> ReducerJoinHook:
+        return ReducerJoinHook(self, self._params, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params.device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore):
@@ -242,182 +305,16 @@ class DistributedDataParallel(TuningMixin, nn.Module, Joinable):
             if name in params_and_buffers_to_ignore:
                 buffer._ddp_ignored = True
 
-    # -- helpers ---------------------------------------------------------------------------------
-    @property
-    def _device_type(self) -> str:
-        return next(self.module.parameters()).device.type
 
-    def _module_buffers(self) -> list[torch.Tensor]:
-        # Looked up at every use: modules may reassign their buffers.
-        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
-
-    def _sync_buffers(self, joined: bool = False) -> None:
-        buffers = self._module_buffers()
-        if not buffers:
-            return
-        # Under join(), rank 0 may have joined with stale buffers: the largest training rank
-        # is the source instead.
-        src = find_common_rank(self, not joined) if self._join_config.enable else 0
-        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-            sync.broadcast_coalesced(buffers, self.process_group, src=src)
-
-    @property
-    def _device(self) -> torch.device:
-        return self._params[0].device
-
-    def _bucket_shapes(self) -> list[tuple[int, torch.dtype, torch.device]]:
-        """(elements, dtype, device) of every bucket, in launch order."""
-        shapes = []
-        for bucket in self.reducer.bucket_layout():
-            first = self._params[bucket["param_indices"][0]]
-            shapes.append((bucket["size_bytes"] // first.element_size(), first.dtype,
-                           first.device))
-        return shapes
-
-    # -- uneven inputs (torch.distributed.algorithms.join protocol) -------------------------------
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False):
-        """Context manager for uneven inputs, as torch DDP's join(); see pyreducer/join.py."""
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_hook(self, **kwargs) -> ReducerJoinHook:
-        return ReducerJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._device
-
-    @property
-    def join_process_group(self):
-        return self.process_group
-
-
-def _resolve_group(process_group, device_mesh):
-    if process_group is not None and device_mesh is not None:
-        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
-    if device_mesh is not None:
-        if device_mesh.ndim != 1:
-            raise RuntimeError(f"Only a 1-D device mesh is supported, got {device_mesh.ndim}-D.")
-        return device_mesh.get_group(mesh_dim=0)
-    if process_group is not None:
-        return process_group
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "pyreducer.DistributedDataParallel needs a process group: call "
-            "torch.distributed.init_process_group(...) first (or pass process_group=).")
-    return dist.group.WORLD
-
-
-def _check_module(module):
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    for name, sub in module.named_modules():
-        if isinstance(sub, (DistributedDataParallel, TorchDDP)):
-            where = "the module itself" if name == "" else f"its submodule '{name}'"
-            raise ValueError(
-                f"pyreducer.DistributedDataParallel cannot wrap a module that is already "
-                f"wrapped: {where} is a {type(sub).__module__}.{type(sub).__name__}. Wrap the "
-                f"plain module once.")
-    for name, param in module.named_parameters():
-        if isinstance(param, nn.parameter.UninitializedParameter):
-            raise RuntimeError(
-                f"Parameter {name} is uninitialized (lazy module): run a dummy forward pass "
-                f"before wrapping the module.")
-
-
-def _reduced_parameters(module, ignored):
-    """(name, param) of every parameter that requires grad, de-duplicated, in DDP's order."""
-    seen, named = set(), []
-    for module_name, sub in module.named_modules():
-        for param_name, param in sub.named_parameters(recurse=False):
-            fqn = f"{module_name}.{param_name}" if module_name else param_name
-            if param.requires_grad and fqn not in ignored and param not in seen:
-                seen.add(param)
-                named.append((fqn, param))
-    return named
-
-
-def _resolve_devices(module, device_ids, output_device):
-    devices = {p.device for p in module.parameters()}
-    if len({d.type for d in devices}) != 1:
-        raise ValueError("pyreducer.DistributedDataParallel's module must be on one type of "
-                         f"device, found parameters on {sorted(str(d) for d in devices)}.")
-    if device_ids is not None and len(device_ids) > 1:
-        raise ValueError("device_ids can only be None or contain a single element, "
-                         f"got {device_ids}.")
-    device_type = next(iter(devices)).type
-    if not device_ids or device_type == "cpu" or len(devices) > 1:
-        if device_ids or output_device:
-            raise ValueError(
-                "device_ids and output_device only work with single-device GPU modules; got "
-                f"device_ids={device_ids}, output_device={output_device} for a module on "
-                f"{sorted(str(d) for d in devices)}.")
-        return None, None
-    ids = [_device_index(d) for d in device_ids]
-    out = ids[0] if output_device is None else _device_index(output_device)
-    return ids, out
-
-
-def _device_index(device) -> int:
-    return device if isinstance(device, int) else torch.device(device).index
-
-
-def _resolve_buffer_sync(broadcast_buffers, forward_sync_buffers):
-    """(forward_sync_buffers, init_sync_buffers), exactly as torch 2.13 DDP derives them."""
-    if broadcast_buffers is not None:
-        if forward_sync_buffers is not None:
-            warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
-                          "`broadcast_buffers` is deprecated and its value is ignored when "
-                          "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=3)
-        else:
-            warnings.warn("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` "
-                          "instead (as in torch DDP 2.13).", FutureWarning, stacklevel=3)
-    if forward_sync_buffers is not None:
-        return forward_sync_buffers, True
-    effective = broadcast_buffers if broadcast_buffers is not None else True
-    return effective, effective
-
-
-def _collect_tensors(obj, out: list) -> None:
-    """Tensors inside a forward's output (tensors, lists, tuples, dicts, dataclasses)."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            _collect_tensors(item, out)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _collect_tensors(item, out)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            _collect_tensors(getattr(obj, field.name), out)
-
-
-def _replace_tensors(obj, replacements):
-    """The same structure as obj, its tensors taken in order from `replacements`."""
-    if isinstance(obj, torch.Tensor):
-        return next(replacements)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_replace_tensors(o, replacements) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_replace_tensors(o, replacements) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _replace_tensors(v, replacements)) for k, v in obj.items())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _replace_tensors(getattr(obj, f.name),
-                                                                    replacements)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
+def _autotune_request(bucket_cap_mb):
+    """(AutotuneConfig or None, the cap to start with): "auto" tunes with the default config
+    and starts from DDP's default caps."""
+    if isinstance(bucket_cap_mb, AutotuneConfig):
+        return bucket_cap_mb, None
+    if bucket_cap_mb == "auto":
+        return AutotuneConfig(), None
+    return None, bucket_cap_mb
 
 
 def _to_device(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_device(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
+    return nested.map_tensors(obj, lambda t: t.to(device, non_blocking=True))

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from pyreducer.params import size_bytes
+
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # as torch DDP
 
 
@@ -68,6 +70,17 @@ def from_rank0(obj, group):
     return payload[0]
 
 
+def sync_buffers(params, src: int) -> None:
+    """Overwrites the module's synced buffers with rank `src`'s (collective; params is a
+    ReducedParams). Autograd version counters are kept: a forward that saved a buffer for
+    backward may still run backward after the next forward's sync, as in torch DDP."""
+    buffers = params.buffers()
+    if not buffers:
+        return
+    with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+        broadcast_coalesced(buffers, params.process_group, src=src)
+
+
 def broadcast_coalesced(tensors: list[torch.Tensor], group, src: int = 0,
                         chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
     """Overwrites `tensors` on every rank with rank `src`'s values.
@@ -98,7 +111,7 @@ def _chunks(tensors, chunk_bytes):
     for group_tensors in by_key.values():
         chunk, size = [], 0
         for t in group_tensors:
-            nbytes = t.numel() * t.element_size()
+            nbytes = size_bytes(t)
             if chunk and size + nbytes > chunk_bytes:
                 yield chunk
                 chunk, size = [], 0

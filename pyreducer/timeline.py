@@ -39,15 +39,12 @@ from __future__ import annotations
 import statistics
 
 
-def records(model, last: int = 1) -> list[dict]:
-    """See the module docstring. `model` is a pyreducer DistributedDataParallel."""
-    import torch.distributed as dist
-
-    names = model._param_names
-    sizes = [p.numel() * p.element_size() for p in model._params]
-    rank = dist.get_rank(model.process_group)
+def records(params, reducer, last: int = 1) -> list[dict]:
+    """See the module docstring: the last `last` records of `reducer` (a pyreducer._C.Reducer)
+    over `params` (its pyreducer.params.ReducedParams)."""
+    names, sizes, rank = params.names, params.sizes_bytes, params.rank
     result = []
-    for raw in model.reducer.timeline(last):
+    for raw in reducer.timeline(last):
         buckets = [dict(index=b, params=[names[i] for i in bucket["param_indices"]],
                         size_bytes=sum(sizes[i] for i in bucket["param_indices"]),
                         ready_ns=bucket["ready_ns"], launch_ns=bucket["launch_ns"],

@@ -1,10 +1,20 @@
-"""Shared fixtures. Multi-process tests use pyreducer.testing.run_ranks (spawned Gloo ranks on
-this machine, file-store rendezvous, hard wall-clock bound, failing rank named)."""
+"""Shared fixtures. The suite has three layers, by cost:
+    tests/unit/       no processes: seconds (`make test-fast`)
+    tests/multirank/  spawned Gloo ranks (pyreducer.testing.run_ranks: file-store rendezvous, hard
+                      wall-clock bound, failing rank named), and torchrun
+    tests/netem/      emulated hosts (network namespaces, tc): root only, skipped with the reason
+"""
 import functools
+import os
+import sys
 
 import pytest
 
-from pyreducer.testing import run_ranks
+# The checkout's root, for `benchmarks` (tables.py): appended, so that the pyreducer under test
+# (an installed or CUDA build on PYTHONPATH) still comes first.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pyreducer.testing import run_ranks  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)

@@ -67,18 +67,11 @@ class CudaTimeline : public DeviceTimeline {
   std::vector<Slot> slots_;
 };
 
-std::unique_ptr<DeviceTimeline> make_cuda_timeline(int device_type, int device_index,
-                                                   size_t slots, size_t max_buckets) {
-  if (device_type != static_cast<int>(c10::DeviceType::CUDA)) return nullptr;
-  return std::make_unique<CudaTimeline>(static_cast<c10::DeviceIndex>(device_index), slots,
-                                        max_buckets);
+}  // namespace
+
+std::unique_ptr<DeviceTimeline> make_cuda_timeline(c10::DeviceIndex device, size_t slots,
+                                                   size_t max_buckets) {
+  return std::make_unique<CudaTimeline>(device, slots, max_buckets);
 }
 
-// Registered when the extension loads.
-const bool registered = [] {
-  register_device_timeline_factory(&make_cuda_timeline);
-  return true;
-}();
-
-}  // namespace
 }  // namespace pyreducer

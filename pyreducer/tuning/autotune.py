@@ -1,18 +1,20 @@
 """Online bucket autotune: `DistributedDataParallel(model, bucket_cap_mb="auto")`.
 
-It starts with torch DDP's schedule, then, at forward time, every rank in step:
-  1. after WARMUP synced iterations: probes the link (a few all-reduces, and on CPU how much
-     compute a running all-reduce takes away: LinkModel.contention) and measures MEASURE
-     iterations of the current plan (step time = time between synced forwards, the slowest
-     rank's);
+It starts with torch DDP's schedule, then, at forward time, every rank in step (the numbers are
+AutotuneConfig's fields; `bucket_cap_mb=AutotuneConfig(...)` tunes with others):
+  1. after `warmup_iterations` synced iterations: probes the link (a few all-reduces, and on
+     CPU how much compute a running all-reduce takes away: LinkModel.contention) and measures
+     `measure_iterations` of the current plan (step time = time between synced forwards, the
+     slowest rank's);
   2. rank 0 builds a profile from its timeline, plans with the exact planner and a ladder of
-     caps, and broadcasts the TOP distinct plans predicted best (the step model ranks plans
-     well but not exactly, so the choice among near-equal plans is left to measurement);
-  3. each candidate is applied and measured for MEASURE iterations (2, if both are far slower
+     caps (`caps_mb`), and broadcasts the `candidates` distinct plans predicted best (the step
+     model ranks plans well but not exactly, so the choice among near-equal plans is left to
+     measurement);
+  3. each candidate is applied and measured for `measure_iterations` (2, if both are far slower
      than the best so far: see enough_samples);
-  4. if the two fastest measured plans (the starting one included) are within CONFIRM of each
-     other, both are measured MEASURE iterations more (a 4-step median moves by a few percent
-     here) and compared on all their steps;
+  4. if the two fastest measured plans (the starting one included) are within `confirm_margin`
+     of each other, both are measured `measure_iterations` more (a 4-step median moves by a
+     few percent here) and compared on all their steps;
   5. the fastest plan is applied for good.
 Every decision is rank 0's, broadcast, so all ranks apply the same plans at the same forward.
 Plans only change which gradients share a bucket, never the arithmetic of a gradient, so the
@@ -23,55 +25,90 @@ plan_version in the timeline.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import statistics
 import time
-
-import torch.distributed as dist
+from dataclasses import dataclass
 
 from pyreducer import sync
 from pyreducer.tuning import planner, stepmodel
-from pyreducer.tuning.linkmodel import probe_contention, probe_link
 
 logger = logging.getLogger("pyreducer.autotune")
-WARMUP, MEASURE, TOP, CAPS_MB = 3, 4, 4, (0.5, 1, 2, 4, 16, 64)
-ABANDON = 1.5  # a candidate whose first 2 steps are this much slower than the best is dropped
-CONFIRM = 0.03  # the two best plans are measured again when this close
 
 
-def probe(model):
-    """The link model of `model`'s process group (collective): latency and bandwidth, and, for
-    CPU parameters, the compute a running all-reduce takes and its latency beside compute
-    (probe_contention). On GPU the collectives run beside the compute kernels: left as probed."""
-    device = next(model.parameters()).device  # NCCL groups take only CUDA tensors
-    link, _ = probe_link(model.process_group, device=device)
-    if device.type == "cpu":
-        link = probe_contention(link, model.process_group)
-    return link
+@dataclass(frozen=True)
+class AutotuneConfig:
+    """What online autotune measures and how it decides (defaults: what was tuned on the
+    emulated 1-10 Gbit/s hosts of benchmarks/results/).
+
+    Attributes:
+        warmup_iterations: synced iterations before anything is measured (the first one uses
+            DDP's single bucket, the second rebuilds).
+        measure_iterations: synced iterations measured per plan.
+        candidates: how many of the distinct plans predicted best are measured.
+        caps_mb: the caps (MiB) whose DDP-style plans compete with the planner's optimum.
+        abandon_ratio: a candidate whose first 2 steps are both this much slower than the best
+            plan so far is dropped after those 2.
+        confirm_margin: the two fastest plans are measured `measure_iterations` more each when
+            the second is within this fraction of the first.
+    """
+    warmup_iterations: int = 3
+    measure_iterations: int = 4
+    candidates: int = 4
+    caps_mb: tuple[float, ...] = (0.5, 1, 2, 4, 16, 64)
+    abandon_ratio: float = 1.5
+    confirm_margin: float = 0.03
+
+    def __post_init__(self):
+        checks = [("warmup_iterations >= 1", self.warmup_iterations >= 1),
+                  ("measure_iterations >= 2", self.measure_iterations >= 2),
+                  ("candidates >= 1", self.candidates >= 1),
+                  ("positive caps_mb", all(cap > 0 for cap in self.caps_mb)),
+                  ("abandon_ratio > 1", self.abandon_ratio > 1),
+                  ("confirm_margin >= 0", self.confirm_margin >= 0)]
+        failed = [what for what, ok in checks if not ok]
+        if failed:
+            raise ValueError(f"AutotuneConfig: expected {', '.join(failed)}; got {self}")
 
 
-def enough_samples(samples: list[float], best_s: float) -> bool:
-    """MEASURE step times of a candidate, or 2 that are both more than ABANDON x the best plan
-    measured so far: a bad candidate (a latency misjudged by the link probe can make the planner
-    choose hundreds of buckets) then costs two slow steps instead of MEASURE. Samples are the
-    slowest rank's, the same on every rank, so all ranks decide alike."""
-    if len(samples) >= MEASURE:
+class Phase(enum.Enum):
+    WARMUP = "warmup"                    # DDP's schedule, nothing measured yet
+    MEASURE_CURRENT = "measure_current"  # the starting plan
+    MEASURE = "measure"                  # one candidate after another
+    CONFIRM = "confirm"                  # the two fastest again, after a close call
+    DONE = "done"                        # the fastest plan applied for good
+
+
+MEASURED_PHASES = (Phase.MEASURE_CURRENT, Phase.MEASURE, Phase.CONFIRM)
+
+
+def enough_samples(samples: list[float], best_s: float, config: AutotuneConfig) -> bool:
+    """`measure_iterations` step times of a candidate, or 2 that are both more than
+    `abandon_ratio` x the best plan measured so far: a bad candidate (a latency misjudged by the
+    link probe can make the planner choose hundreds of buckets) then costs two slow steps.
+    Samples are the slowest rank's, the same on every rank, so all ranks decide alike."""
+    if len(samples) >= config.measure_iterations:
         return True
-    return len(samples) >= 2 and min(samples[:2]) > ABANDON * best_s
+    return len(samples) >= 2 and min(samples[:2]) > config.abandon_ratio * best_s
 
 
-def close_call(measured: list[tuple[str, list[list[int]], float]]) -> list:
+def close_call(measured: list[tuple[str, list[list[int]], float]],
+               config: AutotuneConfig) -> list:
     """The two fastest (name, plan) of `measured` (name, plan, median seconds) if the second is
-    within CONFIRM of the first, else []."""
+    within `confirm_margin` of the first, else []."""
     ranked = sorted(measured, key=lambda m: m[2])
-    if len(ranked) >= 2 and ranked[1][2] <= ranked[0][2] * (1 + CONFIRM):
+    if len(ranked) >= 2 and ranked[1][2] <= ranked[0][2] * (1 + config.confirm_margin):
         return [(name, plan) for name, plan, _ in ranked[:2]]
     return []
 
 
 class AutoTuner:
-    def __init__(self):
-        self.phase = "warmup"
+    """Online autotune of one wrapper's buckets through its BucketTuning (tuning/control.py)."""
+
+    def __init__(self, config: AutotuneConfig, tuning):
+        self.config, self.tuning = config, tuning
+        self.phase = Phase.WARMUP
         self.synced = 0
         self.last_forward = None
         self.samples: list[float] = []
@@ -82,49 +119,54 @@ class AutoTuner:
         self.log: list[dict] = []
         self.link = None
 
-    def _note(self, model, event: str, **fields) -> None:
+    @property
+    def group(self):
+        return self.tuning.params.process_group
+
+    def _note(self, event: str, **fields) -> None:
         entry = dict(event=event, iteration=self.synced, **fields)
         self.log.append(entry)
-        if dist.get_rank(model.process_group) == 0:
+        if self.tuning.params.rank == 0:
             logger.info("%s", entry)
 
-
-    def before_forward(self, model) -> None:
+    def before_forward(self) -> None:
         """Called at the start of every synced forward (grad enabled, sync on)."""
-        if self.phase == "done":
+        if self.phase is Phase.DONE:
             return
         now = time.perf_counter()
-        if self.last_forward is not None and self.phase in ("measure_current", "measure",
-                                                             "confirm"):
-            self.samples.append(sync.slowest(now - self.last_forward, model.process_group))
+        if self.last_forward is not None and self.phase in MEASURED_PHASES:
+            self.samples.append(sync.slowest(now - self.last_forward, self.group))
         self.synced += 1
-        if self.phase == "warmup" and self.synced > WARMUP:
-            self.link = probe(model)
-            self._note(model, "link", latency_us=self.link.latency_s * 1e6,
+        self._advance()
+        # The step time is measured from here: time spent in the tuner itself is excluded.
+        self.last_forward = time.perf_counter()
+
+    def _advance(self) -> None:
+        config = self.config
+        if self.phase is Phase.WARMUP and self.synced > config.warmup_iterations:
+            self.link = self.tuning.probe()
+            self._note("link", latency_us=self.link.latency_s * 1e6,
                        bandwidth_gbit=self.link.bandwidth_bytes_per_s * 8 / 1e9,
                        contention=self.link.contention)  # latency: under load on CPU
-            self.phase, self.samples = "measure_current", []
-        elif self.phase == "measure_current" and len(self.samples) >= MEASURE:
-            current = model.reducer.bucket_layout()
-            self._record("start", [b["param_indices"] for b in current])
-            self.candidates = self._plan(model)
-            self._next_candidate(model)
-        elif self.phase == "measure" and enough_samples(
-                self.samples, min(m[2] for m in self._measured())):
+            self.phase, self.samples = Phase.MEASURE_CURRENT, []
+        elif self.phase is Phase.MEASURE_CURRENT and len(self.samples) >= config.measure_iterations:
+            self._record("start", self.tuning.current_plan())
+            self.candidates = self._plan()
+            self._next_candidate()
+        elif self.phase is Phase.MEASURE and enough_samples(
+                self.samples, min(m[2] for m in self._measured()), config):
             name, plan = self.candidates.pop(0)
             self._record(name, plan)
-            self._note(model, "measured", plan=name, step_ms=statistics.median(self.samples) * 1e3,
+            self._note("measured", plan=name, step_ms=statistics.median(self.samples) * 1e3,
                        steps=len(self.samples))
-            self._next_candidate(model)
-        elif self.phase == "confirm" and len(self.samples) >= MEASURE:
+            self._next_candidate()
+        elif self.phase is Phase.CONFIRM and len(self.samples) >= config.measure_iterations:
             name, plan = self.confirming.pop(0)
             self._record(name, plan)
             pooled = self.samples_of[name]
-            self._note(model, "confirmed", plan=name, step_ms=statistics.median(pooled) * 1e3,
+            self._note("confirmed", plan=name, step_ms=statistics.median(pooled) * 1e3,
                        steps=len(pooled))
-            self._next_candidate(model)
-        # The step time is measured from here: time spent in the tuner itself is excluded.
-        self.last_forward = time.perf_counter()
+            self._next_candidate()
 
     def _record(self, name: str, plan: list[list[int]]) -> None:
         """Adds this phase's step times to plan `name`'s."""
@@ -136,15 +178,15 @@ class AutoTuner:
         return [(name, plan, statistics.median(self.samples_of[name]))
                 for name, plan in self.plan_of.items()]
 
-    def _plan(self, model) -> list[tuple[str, list[list[int]]]]:
+    def _plan(self) -> list[tuple[str, list[list[int]]]]:
         """Rank 0 predicts; everyone receives its candidates."""
         candidates = None
-        if dist.get_rank(model.process_group) == 0:
-            profile = model.profile()
-            ranks = dist.get_world_size(model.process_group)
+        if self.tuning.params.rank == 0:
+            profile = self.tuning.profile()
+            ranks = self.tuning.params.world_size
             options = [("optimal", planner.best_plan(profile, self.link, ranks))]
             options += [(f"cap {mb} MB", stepmodel.cap_plan(profile, [int(mb * 2**20)]))
-                        for mb in CAPS_MB]
+                        for mb in self.config.caps_mb]
             scored = sorted(((name, plan, stepmodel.predict_step_ms(profile, plan, self.link,
                                                                      ranks))
                              for name, plan in options), key=lambda o: o[2])
@@ -152,25 +194,25 @@ class AutoTuner:
             for name, plan, predicted in scored:
                 if all(plan != other for _, other, _ in candidates):
                     candidates.append((name, plan, predicted))
-            candidates = candidates[:TOP]
-        candidates = sync.from_rank0(candidates, model.process_group)
+            candidates = candidates[:self.config.candidates]
+        candidates = sync.from_rank0(candidates, self.group)
         for name, plan, predicted in candidates:
-            self._note(model, "candidate", plan=name, buckets=len(plan), predicted_ms=predicted)
+            self._note("candidate", plan=name, buckets=len(plan), predicted_ms=predicted)
         return [(name, plan) for name, plan, _ in candidates]
 
-    def _next_candidate(self, model) -> None:
+    def _next_candidate(self) -> None:
         self.samples = []
         if self.candidates:
-            model.apply_bucket_plan(self.candidates[0][1])
-            self.phase = "measure"
+            self.tuning.apply_bucket_plan(self.candidates[0][1])
+            self.phase = Phase.MEASURE
             return
-        if self.phase == "measure":  # all candidates measured once
-            self.confirming = close_call(self._measured())
+        if self.phase is Phase.MEASURE:  # all candidates measured once
+            self.confirming = close_call(self._measured(), self.config)
         if self.confirming:
-            model.apply_bucket_plan(self.confirming[0][1])
-            self.phase = "confirm"
+            self.tuning.apply_bucket_plan(self.confirming[0][1])
+            self.phase = Phase.CONFIRM
             return
         name, plan, seconds = min(self._measured(), key=lambda m: m[2])
-        model.apply_bucket_plan(plan)
-        self.phase = "done"
-        self._note(model, "chosen", plan=name, step_ms=seconds * 1e3, buckets=len(plan))
+        self.tuning.apply_bucket_plan(plan)
+        self.phase = Phase.DONE
+        self._note("chosen", plan=name, step_ms=seconds * 1e3, buckets=len(plan))

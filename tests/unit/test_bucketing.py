@@ -66,7 +66,8 @@ def test_same_plan_as_torch_planner(seed):
     caps = [rng.choice([1000, 4000, 20000]), rng.choice([8000, 50000])]
     order = list(range(len(params)))
     rng.shuffle(order)
-    ours = bucketing.assign_buckets(params, caps, walk_order=order)
+    ours = bucketing.assign_buckets([p.nbytes for p in params],
+                                    [_C.group_key(p) for p in params], caps, walk_order=order)
     theirs, _ = dist._compute_bucket_assignment_by_size(
         [params[i] for i in order], caps, [False] * len(params), order)
     if len(dtypes) == 1:  # one group: identical order too
@@ -77,7 +78,23 @@ def test_same_plan_as_torch_planner(seed):
 
 def test_initial_plan_is_ddps():
     params = [torch.empty(n) for n in (300, 10, 300, 10, 300)]
-    assert bucketing.initial_plan(params, [1200, 2400], one_bucket=True) == [[0, 1, 2, 3, 4]]
+    sizes, keys = [p.nbytes for p in params], [_C.group_key(p) for p in params]
+    assert bucketing.initial_plan(sizes, keys, [1200, 2400], one_bucket=True) == [[0, 1, 2, 3, 4]]
     theirs, _ = dist._compute_bucket_assignment_by_size(params, [1200, 2400], [False] * 5)
-    assert bucketing.initial_plan(params, [1200, 2400], one_bucket=False) == \
+    assert bucketing.initial_plan(sizes, keys, [1200, 2400], one_bucket=False) == \
         [list(b) for b in reversed(theirs)]
+
+
+def test_group_key_is_one_definition():
+    """The C++ group key (csrc/bucket.h) is the one Python uses: dtype and device, nothing else."""
+    a, b = torch.zeros(3), torch.zeros(5, 2)
+    assert _C.group_key(a) == _C.group_key(b) == "Float/cpu"
+    assert _C.group_key(a.double()) != _C.group_key(a)
+    keys = pyreducer_params_keys([a, b, a.double()])
+    assert keys == [_C.group_key(a), _C.group_key(b), _C.group_key(a.double())]
+
+
+def pyreducer_params_keys(tensors):
+    from pyreducer.params import ReducedParams
+
+    return list(ReducedParams.of([(f"p{i}", t) for i, t in enumerate(tensors)]).group_keys)

@@ -1,6 +1,6 @@
 """One Chrome trace-event JSON for all ranks (opens in Perfetto and chrome://tracing).
 
-    pyreducer.trace.export_chrome_trace(model, "trace.json", last=5)   # call on every rank
+    pyreducer.observe.trace.export_chrome_trace(model, "trace.json", last=5)   # call on every rank
 
 Every rank sends its timeline (pyreducer.timeline) to rank 0 through the model's process group;
 rank 0 writes the file. Layout: a process per rank; in it a "backward compute" track (one slice

@@ -37,7 +37,9 @@ def _train(model, spec, rank, steps=STEPS):
 def torch_hooks_worker(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+
+    from pyreducer.testing import models
 
     spec = models.spec("mlp")
     torch.manual_seed(0)
@@ -59,7 +61,9 @@ def torch_hooks_worker(rank, world_size):
 def builtin_worker(rank, world_size):
     import torch.distributed as dist
 
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+
+    from pyreducer.testing import models
 
     spec = models.spec("mlp")
     torch.manual_seed(0)
@@ -90,7 +94,8 @@ def hook_path_worker(rank, world_size):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import pyreducer
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing import models
 
     spec = models.spec("mlp")
     model = DistributedDataParallel(spec.build(), bucket_cap_mb=0.3)

@@ -13,7 +13,9 @@ CASES = [("transformer", None), ("resnet", 0.25), ("deep_narrow", 0.5), ("mlp_la
 def plans_worker(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+
+    from pyreducer.testing import models
 
     out = {}
     for name, cap in CASES:

@@ -58,11 +58,10 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path) -> str:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pyreducer.observe.plot import new_figure, save
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = new_figure(8, 5)
+    ax = fig.subplots()
     for link in dict.fromkeys(r["link"] for r in rows):
         sel = [r for r in rows if r["link"] == link]
         xs = [r["ranks"] for r in sel]
@@ -76,7 +75,4 @@ def plot(rows: list[dict], path) -> str:
     ax.set_ylabel("predicted step time, ms")
     ax.set_title("predicted step time vs ranks (ring all-reduce, nominal links)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save(fig, path)

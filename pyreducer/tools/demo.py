@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from pyreducer.bench import compare_worker, summarize
-from pyreducer.report import write_report
+from pyreducer.tools.compare import compare_worker, summarize
+from pyreducer.observe.report import write_report
 from pyreducer.testing import run_ranks
 
 

@@ -135,7 +135,7 @@ def _model_fns(name):
     if name in LOCAL_MODELS:
         build, batch, loss = LOCAL_MODELS[name]
         return build, batch, loss
-    from pyreducer import models
+    from pyreducer.testing import models
 
     spec = models.spec(name)
     return spec.build, spec.batch, lambda model, batch, step, rank: spec.loss(model, batch)

@@ -39,8 +39,10 @@ def compare_worker(rank, world_size, model_name, steps, warmup, batch_size, buck
     """
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from pyreducer import DistributedDataParallel, models
-    from pyreducer.trace import gather_timelines
+    from pyreducer import DistributedDataParallel
+
+    from pyreducer.testing import models
+    from pyreducer.observe.trace import gather_timelines
 
     classes = {"torch": TorchDDP, "pyreducer": DistributedDataParallel}
     spec = models.spec(model_name)

@@ -1,4 +1,4 @@
-"""Emulated hosts (pyreducer.netem): namespaces joined by a bridge with a rate-limited NIC each.
+"""Emulated hosts (pyreducer.tools.netem): namespaces joined by a bridge with a rate-limited NIC each.
 Needs root and iproute2; skipped with the reason otherwise (never silently on loopback)."""
 import json
 import os
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pyreducer.netem import EmulatedCluster, NetemUnavailable, check_available
+from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable, check_available
 
 try:
     check_available()

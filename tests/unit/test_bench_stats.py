@@ -1,8 +1,10 @@
-"""The benchmark statistics in pyreducer.bench (summaries and paired ratios)."""
+"""The benchmark statistics in pyreducer.tools.compare (summaries and paired ratios), and the
+record tables of benchmarks/tables.py."""
 import numpy as np
 import pytest
 
-from pyreducer.bench import paired_ratio, summarize
+from benchmarks import tables
+from pyreducer.tools.compare import paired_ratio, summarize
 
 
 def test_paired_ratio_of_a_constant_factor_is_exact():
@@ -35,17 +37,6 @@ def test_summarize_reports_milliseconds():
     assert s["min_ms"] == pytest.approx(10.0) and s["max_ms"] == pytest.approx(30.0)
 
 
-def _tables():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "tables.py"
-    spec = importlib.util.spec_from_file_location("bench_tables", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_tables_render_ratios_bounds_and_sweeps():
     def entry(torch_ms, ours_ms):
         return {"compute": summarize([0.05]), "torch": summarize([torch_ms / 1e3]),
@@ -56,7 +47,6 @@ def test_tables_render_ratios_bounds_and_sweeps():
 
     doc = {"runs": [{"model": "m", "link": "1gbit", "hosts": 2,
                      "results": {"default": entry(100.0, 99.0), "1": entry(90.0, 90.9)}}]}
-    tables = _tables()
     row = tables.main_table(doc).splitlines()[2]
     assert "| 0.990 (0.990-0.990) |" in row and "| 1.250 | 1.238 |" in row
     assert "| 40.0 / 50.0 | 90.0 | 1.100 |" in row

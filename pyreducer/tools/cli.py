@@ -7,8 +7,10 @@ import argparse
 def trace_worker(rank, world_size, model_name, steps, bucket_cap_mb, batch, keep):
     import torch
 
-    from pyreducer import DistributedDataParallel, models
-    from pyreducer.trace import gather_timelines
+    from pyreducer import DistributedDataParallel
+
+    from pyreducer.testing import models
+    from pyreducer.observe.trace import gather_timelines
 
     import statistics
     import time
@@ -37,7 +39,7 @@ def trace_worker(rank, world_size, model_name, steps, bucket_cap_mb, batch, keep
 
 
 def trace_main(args) -> int:
-    from pyreducer.report import write_report
+    from pyreducer.observe.report import write_report
     from pyreducer.testing import run_ranks
 
     print(f"pyreducer trace: model '{args.model}', {args.nproc} local Gloo ranks, "
@@ -56,7 +58,7 @@ def trace_main(args) -> int:
 def netem_main(args) -> int:
     import sys
 
-    from pyreducer.netem import EmulatedCluster, NetemUnavailable
+    from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -77,7 +79,7 @@ def simulate_main(args) -> int:
     import json
     import os
 
-    from pyreducer.tuning import simulate
+    from pyreducer.tools import simulate
 
     profile = simulate.load_profile(args.profile)
     rows = simulate.simulate(profile, [int(r) for r in args.ranks.split(",")],
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
     if args.command == "simulate":
         return simulate_main(args)
     if args.command == "demo":
-        from pyreducer import demo as demo_module
+        from pyreducer.tools import demo as demo_module
 
         return demo_module.main(nproc=args.nproc, steps=args.steps, model=args.model,
                                 out=args.out)

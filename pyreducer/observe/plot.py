@@ -1,18 +1,38 @@
-"""PNG plots of the timeline (matplotlib, Agg backend: no display needed).
+"""PNG plots of the timeline (matplotlib's object API: no display, and the user's backend is
+left as it is).
 
     gantt(timelines, "gantt.png")           one iteration, a row per rank: backward compute vs
                                             each bucket's all-reduce, ready markers
     exposed_vs_hidden(timelines, "bars.png") per bucket, how much of its all-reduce ran during
                                             backward (hidden) and after it (exposed), mean over
                                             the recorded iterations of rank 0
-`timelines` is one list of timeline records per rank, as pyreducer.trace.gather_timelines gives.
+`timelines` is one list of timeline records per rank, as pyreducer.observe.trace.gather_timelines
+gives. matplotlib is optional (`pip install .[plot]`); without it these raise PlottingUnavailable,
+which says how to install it.
 """
 from __future__ import annotations
 
-import matplotlib
+INSTALL_HINT = ("the plots need matplotlib, which is not installed: `pip install matplotlib` "
+                "(or `pip install .[plot]` in pyreducer's checkout)")
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+
+class PlottingUnavailable(RuntimeError):
+    """matplotlib is missing; the message says how to install it."""
+
+
+def new_figure(width_in: float, height_in: float):
+    """A figure outside pyplot: no backend is chosen or switched, nothing is left open."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise PlottingUnavailable(INSTALL_HINT) from error
+    return Figure(figsize=(width_in, height_in))
+
+
+def save(fig, path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return str(path)
 
 
 def gantt(timelines: list[list[dict]], path, iteration: int | None = None) -> str:
@@ -20,7 +40,8 @@ def gantt(timelines: list[list[dict]], path, iteration: int | None = None) -> st
                for tl in timelines]
     origin = min(r["backward_start_ns"] for r in records)
     rows = sum(1 + len(r["buckets"]) for r in records)
-    fig, ax = plt.subplots(figsize=(11, 0.35 * rows + 1.5))
+    fig = new_figure(11, 0.35 * rows + 1.5)
+    ax = fig.subplots()
     y, labels = 0, []
     for rank, r in enumerate(records):
         def ms(ns):
@@ -41,10 +62,7 @@ def gantt(timelines: list[list[dict]], path, iteration: int | None = None) -> st
     ax.set_xlabel("ms since the earliest backward start (clocks aligned to rank 0)")
     ax.set_title(f"iteration {records[0]['iteration']}: backward compute (blue) vs bucket "
                  f"all-reduce (orange, | = last gradient in)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save(fig, path)
 
 
 def exposed_vs_hidden(timelines: list[list[dict]], path) -> str:
@@ -58,7 +76,8 @@ def exposed_vs_hidden(timelines: list[list[dict]], path) -> str:
             span_e = max(0, b["done_ns"] - max(b["launch_ns"], end))
             hidden[b["index"]] += span_h / 1e6 / len(records)
             exposed[b["index"]] += span_e / 1e6 / len(records)
-    fig, ax = plt.subplots(figsize=(max(5, 0.5 * count + 2), 4))
+    fig = new_figure(max(5, 0.5 * count + 2), 4)
+    ax = fig.subplots()
     xs = range(count)
     ax.bar(xs, hidden, color="tab:green", label="hidden (during backward)")
     ax.bar(xs, exposed, bottom=hidden, color="tab:red", label="exposed (after backward)")
@@ -67,7 +86,4 @@ def exposed_vs_hidden(timelines: list[list[dict]], path) -> str:
     ax.set_ylabel("ms in flight per iteration (mean)")
     ax.set_title(f"rank 0, {len(records)} iterations")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save(fig, path)

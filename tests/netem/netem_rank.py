@@ -7,12 +7,14 @@ import time
 from datetime import timedelta
 
 # Fallback only: a pyreducer on PYTHONPATH (e.g. make cuda-check's build) comes first.
-sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from pyreducer import DistributedDataParallel, models  # noqa: E402
+from pyreducer import DistributedDataParallel  # noqa: E402
+
+from pyreducer.testing import models  # noqa: E402
 
 SIZE_MB = 4
 

@@ -1,7 +1,6 @@
-"""Bucket tuning: link and step models on hand-computed cases, the planner against brute force
-over all partitions, the simulator CLI, and (2 spawned ranks) plan_buckets/apply and autotune,
-whose gradients must equal the untuned run's bit for bit."""
-import copy
+"""Bucket tuning without processes: link and step models on hand-computed cases, the planner
+against brute force over all partitions, the simulator command, and autotune's decision rules
+(the autotune runs are in tests/multirank/test_autotune.py)."""
 import json
 import os
 import random
@@ -9,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import pyreducer
 from pyreducer.tuning import (LinkModel, Profile, best_plan, brute_force_plan, fit_link_model,
                               predict_step_ms)
+from pyreducer.tuning.autotune import AutotuneConfig, close_call, enough_samples
 from pyreducer.tuning.stepmodel import bucket_done_ms, cap_plan
 
 
@@ -98,7 +97,7 @@ def test_cap_plan_is_ddps_rebuild_plan():
 def test_simulate_command(tmp_path):
     profile = dict(ready_ms=[float(i) for i in range(1, 41)], size_bytes=[2**20] * 40,
                    backward_ms=41.0, forward_ms=20.0, optimizer_ms=2.0,
-                   names=[f"p{i}" for i in range(40)], group_keys=["torch.float32/cpu"] * 40)
+                   names=[f"p{i}" for i in range(40)], group_keys=["Float/cpu"] * 40)
     (tmp_path / "profile.json").write_text(json.dumps(profile))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # the pyreducer this test imported
         [os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path))
@@ -114,75 +113,6 @@ def test_simulate_command(tmp_path):
         assert row["best_ms"] >= row["compute_ms"] - 1e-9
     slow = [r["best_ms"] for r in rows if r["link"] == "1gbit"]
     assert slow == sorted(slow)  # more ranks, more ring traffic per link
-
-
-def tuning_worker(rank, world_size):
-    from pyreducer import DistributedDataParallel, models
-    from pyreducer.tuning import LinkModel
-
-    spec = models.spec("mlp")
-    torch.manual_seed(0)
-    base = spec.build()
-    out = {}
-    from pyreducer.tuning import autotune
-
-    defaults = autotune.CONFIRM, autotune.ABANDON
-    for key, kwargs in (("untuned", {}), ("auto", dict(bucket_cap_mb="auto")),
-                        ("auto_confirm", dict(bucket_cap_mb="auto"))):
-        # CONFIRM = 10: every pair of plans is a close call, so the confirm phase always runs
-        # (and no candidate is dropped early: each has 4 steps before it)
-        autotune.CONFIRM, autotune.ABANDON = (10.0, 100.0) if key == "auto_confirm" else defaults
-        model = DistributedDataParallel(copy.deepcopy(base), **kwargs)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        gen = torch.Generator().manual_seed(rank)
-        grads = []
-        for _ in range(40):  # autotune decides after 3 + 1 + 4 + 4 x 4 (+ 2 x 4) iterations
-            opt.zero_grad()
-            spec.loss(model, spec.batch(gen, 8)).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-            opt.step()
-        out[key] = dict(grads=grads, log=model.autotune_log,
-                        versions=[r["plan_version"] for r in model.timeline(8)])
-    model = DistributedDataParallel(copy.deepcopy(base))
-    spec.loss(model, spec.batch(torch.Generator().manual_seed(rank), 8)).backward()
-    result = model.plan_buckets(link=LinkModel(1e-6, 1e8))
-    model.apply_bucket_plan(result["plan"])
-    spec.loss(model, spec.batch(torch.Generator().manual_seed(rank), 8)).backward()
-    out["planned"] = dict(result=result, applied=model.bucket_plan())
-    from pyreducer.tuning import probe_contention
-
-    loaded = probe_contention(LinkModel(1e-4, 1e9), reps=2, work_s=0.005)
-    out["contention"] = (loaded.contention, loaded.latency_s)
-    return out
-
-
-@pytest.fixture(scope="module")
-def tuned(ranks_once):
-    return ranks_once(tuning_worker, 2, ())
-
-
-def test_autotune_keeps_gradients_exact(tuned):
-    for r in tuned:
-        for step, (a, b) in enumerate(zip(r["untuned"]["grads"], r["auto"]["grads"])):
-            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}"
-
-
-def test_autotune_decides_logs_and_shows_in_timeline(tuned):
-    for r in tuned:
-        events = [e["event"] for e in r["auto"]["log"]]
-        assert events[0] == "link" and events[-1] == "chosen" and "measured" in events
-        assert 0.0 <= r["auto"]["log"][0]["contention"] <= 0.9  # probed: CPU parameters
-        assert len(set(r["auto"]["versions"])) >= 1 and max(r["auto"]["versions"]) >= 2
-    assert tuned[0]["auto"]["log"][-1]["plan"] == tuned[1]["auto"]["log"][-1]["plan"]
-
-
-def test_plan_buckets_predicts_and_applies(tuned):
-    for r in tuned:
-        result = r["planned"]["result"]
-        assert result["predicted_ms"] <= result["current_predicted_ms"] + 1e-9
-        assert result["predicted_ms"] <= result["ddp_default_predicted_ms"] + 1e-9
-        assert [b["params"] for b in r["planned"]["applied"]] == result["plan"]
-    assert tuned[0]["planned"]["result"] == tuned[1]["planned"]["result"]  # rank 0's, for all
 
 
 def test_planner_splits_when_overlap_pays():
@@ -206,39 +136,29 @@ def test_fit_latency_survives_noise_on_the_largest_message():
 
 
 def test_autotune_drops_a_far_slower_candidate_after_two_steps():
-    from pyreducer.tuning.autotune import ABANDON, MEASURE, enough_samples
-
+    config = AutotuneConfig()
+    measure, abandon = config.measure_iterations, config.abandon_ratio
     best = 0.100
-    assert not enough_samples([best * 3], best)  # one slow step may be a first-touch outlier
-    assert enough_samples([best * (ABANDON + 0.1)] * 2, best)
-    assert not enough_samples([best * 3, best * 1.1], best)  # the second step recovered
-    assert not enough_samples([best * 1.2] * (MEASURE - 1), best)
-    assert enough_samples([best * 1.2] * MEASURE, best)
-
-
-def test_contention_probe_gives_every_rank_the_same_link(tuned):
-    contention, latency_s = tuned[0]["contention"]
-    assert 0.0 <= contention <= 0.9 and 1e-4 <= latency_s < 2.0  # never below the idle latency
-    assert tuned[0]["contention"] == tuned[1]["contention"]  # from all-reduced times
-
-
-def test_autotune_confirms_a_close_call_and_still_decides(tuned):
-    for r in tuned:
-        events = [e["event"] for e in r["auto_confirm"]["log"]]
-        assert events[-3:] == ["confirmed", "confirmed", "chosen"], events
-        confirmed = [e for e in r["auto_confirm"]["log"] if e["event"] == "confirmed"]
-        assert all(e["steps"] >= 8 for e in confirmed)  # first measurement + MEASURE more
-        chosen = r["auto_confirm"]["log"][-1]
-        assert chosen["plan"] in {e["plan"] for e in confirmed}
-        for step, (a, b) in enumerate(zip(r["untuned"]["grads"], r["auto_confirm"]["grads"])):
-            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}"
+    assert not enough_samples([best * 3], best, config)  # one slow step may be an outlier
+    assert enough_samples([best * (abandon + 0.1)] * 2, best, config)
+    assert not enough_samples([best * 3, best * 1.1], best, config)  # the second recovered
+    assert not enough_samples([best * 1.2] * (measure - 1), best, config)
+    assert enough_samples([best * 1.2] * measure, best, config)
 
 
 def test_autotune_measures_a_close_call_again():
-    from pyreducer.tuning.autotune import CONFIRM, close_call
-
+    config = AutotuneConfig()
+    margin = config.confirm_margin
     a, b, c = [[0, 1]], [[0], [1]], [[1], [0]]
-    assert close_call([("start", a, 0.100), ("x", b, 0.100 * (1 + CONFIRM / 2)),
-                       ("y", c, 0.2)]) == [("start", a), ("x", b)]
-    assert close_call([("start", a, 0.100), ("x", b, 0.100 * (1 + 2 * CONFIRM))]) == []
-    assert close_call([("start", a, 0.100)]) == []
+    assert close_call([("start", a, 0.100), ("x", b, 0.100 * (1 + margin / 2)),
+                       ("y", c, 0.2)], config) == [("start", a), ("x", b)]
+    assert close_call([("start", a, 0.100), ("x", b, 0.100 * (1 + 2 * margin))], config) == []
+    assert close_call([("start", a, 0.100)], config) == []
+
+
+@pytest.mark.parametrize("field,value", [("measure_iterations", 1), ("candidates", 0),
+                                         ("caps_mb", (1, -2)), ("abandon_ratio", 0.9),
+                                         ("confirm_margin", -0.1), ("warmup_iterations", 0)])
+def test_autotune_config_rejects_nonsense_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field.split("_")[0]):
+        AutotuneConfig(**{field: value})

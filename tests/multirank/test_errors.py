@@ -48,15 +48,34 @@ def sparse_gradient_worker(rank, world_size):
     return _capture(lambda: model(torch.tensor([1, 2])).sum().backward())
 
 
+def _wait_for_exit(pid: int, timeout_s: float) -> None:
+    """Returns once process `pid` has exited (gone, or a zombie its parent has not reaped yet)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not exit within {timeout_s} s")
+
+
 def peer_dies_worker(rank, world_size):
+    import torch.distributed as dist
+
     from pyreducer import DistributedDataParallel
 
     model = DistributedDataParallel(nn.Linear(64, 64))
     for _ in range(2):  # healthy steps on both ranks (the second rebuilds the buckets)
         model(torch.randn(2, 64)).sum().backward()
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
     if rank == 1:
         os._exit(3)  # dies before the second backward
-    time.sleep(0.5)
+    _wait_for_exit(pids[1], timeout_s=30)  # the backward below starts after the peer is gone
     return _capture(lambda: model(torch.randn(2, 64)).sum().backward())
 
 

@@ -14,7 +14,9 @@ from torch import nn
 def _state_dict_checks(results):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+
+    from pyreducer.testing import models
 
     torch.manual_seed(0)
     base = models.spec("cnn").build()
@@ -47,7 +49,8 @@ def _misuse_checks(results):
 
 
 def _rebuild_checks(results, rank):
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing import models
 
     spec = models.spec("mlp")
     model = DistributedDataParallel(spec.build(), bucket_cap_mb=0.3)
@@ -66,7 +69,8 @@ def _rebuild_checks(results, rank):
 
 def _no_python_checks(results, rank):
     import pyreducer
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing import models
 
     spec = models.spec("mlp")
     torch.manual_seed(0)
@@ -104,7 +108,8 @@ def _no_python_checks(results, rank):
 
 
 def _plan_replay_checks(results, rank, tmp_dir):
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing import models
 
     spec = models.spec("mlp")
     torch.manual_seed(3)
@@ -130,7 +135,8 @@ def _plan_replay_checks(results, rank, tmp_dir):
 
 
 def _sequence_checks(results, rank):
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing import models
 
     spec = models.spec("mlp")
     model = DistributedDataParallel(spec.build())
@@ -151,7 +157,9 @@ def _outlived_checks(results, rank):
     """A graph that outlives its wrapper: backward must not touch the deleted reducer."""
     import gc
 
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+
+    from pyreducer.testing import models
 
     spec = models.spec("mlp")
     module = spec.build()

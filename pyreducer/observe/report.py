@@ -5,7 +5,7 @@ import json
 import os
 
 from pyreducer import timeline as timeline_module
-from pyreducer.trace import chrome_trace
+from pyreducer.observe.trace import chrome_trace
 
 
 def summary_text(timelines: list[list[dict]]) -> str:
@@ -30,7 +30,7 @@ def summary_text(timelines: list[list[dict]]) -> str:
 def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = None) -> dict:
     """Writes trace.json, timeline.json, gantt.png, overlap.png, summary.txt (and profile.json,
     rank 0's step profile for `python -m pyreducer simulate`, if given) into out_dir."""
-    from pyreducer import plot
+    from pyreducer.observe import plot
 
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, name) for name in

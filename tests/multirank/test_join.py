@@ -18,7 +18,7 @@ def _batches(rank):
 
 
 def _train(cls, base, case, rank):
-    from pyreducer import models
+    from pyreducer.testing import models
 
     spec = models.spec(case["model"])
     model = cls(copy.deepcopy(base), **case["ddp"])
@@ -35,7 +35,9 @@ def _train(cls, base, case, rank):
 def join_worker(rank, world_size, names):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+
+    from pyreducer.testing import models
 
     out = {}
     for name in names:

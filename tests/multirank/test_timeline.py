@@ -15,7 +15,8 @@ KEEP = 4
 
 
 def timeline_worker(rank, world_size):
-    from pyreducer import DistributedDataParallel, models
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing import models
 
     spec = models.spec("mlp")
     torch.manual_seed(0)

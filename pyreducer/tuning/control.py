@@ -1,0 +1,68 @@
+"""Profile, plan and apply bucket plans for one wrapper: what DistributedDataParallel's
+profile(), plan_buckets(), apply_bucket_plan() and autotune delegate to."""
+from __future__ import annotations
+
+from pyreducer import bucketing, sync
+from pyreducer import timeline as timeline_module
+from pyreducer.tuning import planner, stepmodel
+from pyreducer.tuning.linkmodel import LinkModel, probe_contention, probe_link
+
+
+class BucketTuning:
+    """Bucket tuning of one Reducer over its ReducedParams (pyreducer.params)."""
+
+    def __init__(self, params, reducer):
+        self.params, self.reducer = params, reducer
+
+    def current_plan(self) -> list[list[int]]:
+        """Parameter indices per bucket of the plan in force, launch order."""
+        return [b["param_indices"] for b in self.reducer.bucket_layout()]
+
+    def profile(self, forward_ms: float = 0.0, optimizer_ms: float = 0.0,
+                last: int = 3) -> stepmodel.Profile:
+        """This rank's step profile (gradient ready times, sizes) from the last iterations."""
+        records = timeline_module.records(self.params, self.reducer, last)
+        if not records:
+            raise RuntimeError("profile(): no recorded iteration yet (run a synced step first, "
+                               "with timeline_iterations > 0)")
+        return stepmodel.Profile.from_timeline(records, self.params.sizes_bytes, forward_ms,
+                                               optimizer_ms, self.params.group_keys)
+
+    def probe(self) -> LinkModel:
+        """The link model of the process group (collective): latency and bandwidth, and, for
+        CPU parameters, the compute a running all-reduce takes and its latency beside compute
+        (probe_contention). On GPU the collectives run beside the compute kernels: left as
+        probed."""
+        device = self.params.device  # NCCL groups take only CUDA tensors
+        link, _ = probe_link(self.params.process_group, device=device)
+        if device.type == "cpu":
+            link = probe_contention(link, self.params.process_group)
+        return link
+
+    def plan_buckets(self, link=None, forward_ms: float = 0.0, optimizer_ms: float = 0.0) -> dict:
+        """See DistributedDataParallel.plan_buckets."""
+        if link is None:
+            link = self.probe()
+        result = None
+        if self.params.rank == 0:
+            ranks = self.params.world_size
+            prof = self.profile(forward_ms, optimizer_ms)
+            best = planner.best_plan(prof, link, ranks)
+            default = stepmodel.cap_plan(prof, bucketing.caps_bytes(None, None))
+            names = self.params.names
+            result = dict(
+                plan=[[names[i] for i in b] for b in best],
+                predicted_ms=stepmodel.predict_step_ms(prof, best, link, ranks),
+                current_predicted_ms=stepmodel.predict_step_ms(prof, self.current_plan(), link,
+                                                               ranks),
+                ddp_default_predicted_ms=stepmodel.predict_step_ms(prof, default, link, ranks),
+                link=dict(latency_s=link.latency_s,
+                          bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+                          contention=link.contention))
+        return sync.from_rank0(result, self.params.process_group)
+
+    def apply_bucket_plan(self, plan) -> None:
+        """See DistributedDataParallel.apply_bucket_plan."""
+        if plan and plan[0] and isinstance(plan[0][0], str):
+            plan = bucketing.plan_from_names(plan, self.params.names)
+        self.reducer.apply_plan(sync.from_rank0(plan, self.params.process_group))

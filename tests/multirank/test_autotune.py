@@ -1,0 +1,93 @@
+"""Bucket tuning on 2 spawned Gloo ranks: plan_buckets/apply_bucket_plan, the contention probe,
+and online autotune, whose gradients must equal the untuned run's bit for bit."""
+import copy
+
+import pytest
+import torch
+
+
+def tuning_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing import models
+    from pyreducer.tuning import LinkModel
+
+    spec = models.spec("mlp")
+    torch.manual_seed(0)
+    base = spec.build()
+    out = {}
+    from pyreducer.tuning import AutotuneConfig
+
+    # confirm_margin = 10: every pair of plans is a close call, so the confirm phase always runs
+    # (and no candidate is dropped early: each has 4 steps before it)
+    always_confirm = AutotuneConfig(confirm_margin=10.0, abandon_ratio=100.0)
+    for key, kwargs in (("untuned", {}), ("auto", dict(bucket_cap_mb="auto")),
+                        ("auto_confirm", dict(bucket_cap_mb=always_confirm))):
+        model = DistributedDataParallel(copy.deepcopy(base), **kwargs)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(rank)
+        grads = []
+        for _ in range(40):  # autotune decides after 3 + 1 + 4 + 4 x 4 (+ 2 x 4) iterations
+            opt.zero_grad()
+            spec.loss(model, spec.batch(gen, 8)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+        out[key] = dict(grads=grads, log=model.autotune_log,
+                        versions=[r["plan_version"] for r in model.timeline(8)])
+    model = DistributedDataParallel(copy.deepcopy(base))
+    spec.loss(model, spec.batch(torch.Generator().manual_seed(rank), 8)).backward()
+    result = model.plan_buckets(link=LinkModel(1e-6, 1e8))
+    model.apply_bucket_plan(result["plan"])
+    spec.loss(model, spec.batch(torch.Generator().manual_seed(rank), 8)).backward()
+    out["planned"] = dict(result=result, applied=model.bucket_plan())
+    from pyreducer.tuning import probe_contention
+
+    loaded = probe_contention(LinkModel(1e-4, 1e9), reps=2, work_s=0.005)
+    out["contention"] = (loaded.contention, loaded.latency_s)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tuned(ranks_once):
+    return ranks_once(tuning_worker, 2, ())
+
+
+def test_autotune_keeps_gradients_exact(tuned):
+    for r in tuned:
+        for step, (a, b) in enumerate(zip(r["untuned"]["grads"], r["auto"]["grads"])):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}"
+
+
+def test_autotune_decides_logs_and_shows_in_timeline(tuned):
+    for r in tuned:
+        events = [e["event"] for e in r["auto"]["log"]]
+        assert events[0] == "link" and events[-1] == "chosen" and "measured" in events
+        assert 0.0 <= r["auto"]["log"][0]["contention"] <= 0.9  # probed: CPU parameters
+        assert len(set(r["auto"]["versions"])) >= 1 and max(r["auto"]["versions"]) >= 2
+    assert tuned[0]["auto"]["log"][-1]["plan"] == tuned[1]["auto"]["log"][-1]["plan"]
+
+
+def test_plan_buckets_predicts_and_applies(tuned):
+    for r in tuned:
+        result = r["planned"]["result"]
+        assert result["predicted_ms"] <= result["current_predicted_ms"] + 1e-9
+        assert result["predicted_ms"] <= result["ddp_default_predicted_ms"] + 1e-9
+        assert [b["params"] for b in r["planned"]["applied"]] == result["plan"]
+    assert tuned[0]["planned"]["result"] == tuned[1]["planned"]["result"]  # rank 0's, for all
+
+
+def test_contention_probe_gives_every_rank_the_same_link(tuned):
+    contention, latency_s = tuned[0]["contention"]
+    assert 0.0 <= contention <= 0.9 and 1e-4 <= latency_s < 2.0  # never below the idle latency
+    assert tuned[0]["contention"] == tuned[1]["contention"]  # from all-reduced times
+
+
+def test_autotune_confirms_a_close_call_and_still_decides(tuned):
+    for r in tuned:
+        events = [e["event"] for e in r["auto_confirm"]["log"]]
+        assert events[-3:] == ["confirmed", "confirmed", "chosen"], events
+        confirmed = [e for e in r["auto_confirm"]["log"] if e["event"] == "confirmed"]
+        assert all(e["steps"] >= 8 for e in confirmed)  # first measurement + MEASURE more
+        chosen = r["auto_confirm"]["log"][-1]
+        assert chosen["plan"] in {e["plan"] for e in confirmed}
+        for step, (a, b) in enumerate(zip(r["untuned"]["grads"], r["auto_confirm"]["grads"])):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}"

@@ -1,4 +1,4 @@
-"""`python -m pyreducer demo | trace` (see pyreducer/cli.py)."""
+"""`python -m pyreducer COMMAND` (see pyreducer/tools/cli.py)."""
 import sys
 
 from pyreducer.tools.cli import main

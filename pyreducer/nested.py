@@ -50,8 +50,16 @@ def tensors(obj) -> list[torch.Tensor]:
 def replace_tensors(obj, replacements: list[torch.Tensor]):
     """`obj` with its tensors, in tensors() order, replaced by `replacements`."""
     supply = iter(replacements)
-    result = map_tensors(obj, lambda _: next(supply))
-    leftover = next(supply, None)
-    if leftover is not None:
+    missing = object()
+
+    def take(_):
+        tensor = next(supply, missing)
+        if tensor is missing:
+            raise ValueError(f"replace_tensors: {len(replacements)} replacements for more "
+                             f"tensors in the object")
+        return tensor
+
+    result = map_tensors(obj, take)
+    if next(supply, missing) is not missing:
         raise ValueError("replace_tensors: more replacements than tensors in the object")
     return result

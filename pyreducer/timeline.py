@@ -39,10 +39,12 @@ from __future__ import annotations
 import statistics
 
 
-def records(params, reducer, last: int = 1) -> list[dict]:
+def records(params, reducer, last: int = 1, rank: int | None = None) -> list[dict]:
     """See the module docstring: the last `last` records of `reducer` (a pyreducer._C.Reducer)
-    over `params` (its pyreducer.params.ReducedParams)."""
-    names, sizes, rank = params.names, params.sizes_bytes, params.rank
+    over `params` (its pyreducer.params.ReducedParams). `rank` defaults to this process's rank
+    in the params' group (pass it where that group may already be destroyed)."""
+    names, sizes = params.names, params.sizes_bytes
+    rank = params.rank if rank is None else rank
     result = []
     for raw in reducer.timeline(last):
         buckets = [dict(index=b, params=[names[i] for i in bucket["param_indices"]],

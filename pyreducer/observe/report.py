@@ -1,11 +1,21 @@
-"""Writes what people look at after a run: trace JSON, raw timelines, plots, a text summary."""
+"""Writes what people look at after a run: trace JSON, raw timelines, plots, a text summary.
+
+    write_report(timelines, out_dir, profile)   from gathered, aligned timelines (one per rank)
+    report_dir(out_dir)                         from the rank files PYREDUCER_TRACE wrote there
+                                                (pyreducer/observe/recorder.py), merged
+"""
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 
 from pyreducer import timeline as timeline_module
-from pyreducer.observe.trace import chrome_trace
+from pyreducer.observe import InputError
+from pyreducer.observe.trace import chrome_trace, shift_record
+
+RANK_FILE = re.compile(r"rank(\d+)(?:\.model(\d+))?\.json$")
 
 
 def summary_text(timelines: list[list[dict]]) -> str:
@@ -29,18 +39,27 @@ def summary_text(timelines: list[list[dict]]) -> str:
 
 def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = None) -> dict:
     """Writes trace.json, timeline.json, gantt.png, overlap.png, summary.txt (and profile.json,
-    rank 0's step profile for `python -m pyreducer simulate`, if given) into out_dir."""
+    rank 0's step profile for `python -m pyreducer simulate`, if given) into out_dir.
+
+    Returns {"paths": {name: path}, "summary": text, "notes": [...]}; without matplotlib the
+    plots are left out and a note says how to install it.
+    """
     from pyreducer.observe import plot
 
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, name) for name in
-             ("trace.json", "timeline.json", "gantt.png", "overlap.png", "summary.txt")}
+             ("trace.json", "timeline.json", "summary.txt")}
     with open(paths["trace.json"], "w") as f:
         json.dump(chrome_trace(timelines), f)
     with open(paths["timeline.json"], "w") as f:
         json.dump(timelines, f)
-    plot.gantt(timelines, paths["gantt.png"])
-    plot.exposed_vs_hidden(timelines, paths["overlap.png"])
+    notes = []
+    try:
+        paths["gantt.png"] = plot.gantt(timelines, os.path.join(out_dir, "gantt.png"))
+        paths["overlap.png"] = plot.exposed_vs_hidden(timelines,
+                                                      os.path.join(out_dir, "overlap.png"))
+    except plot.PlottingUnavailable as error:
+        notes.append(f"no plots: {error}")
     if profile is not None:
         paths["profile.json"] = os.path.join(out_dir, "profile.json")
         with open(paths["profile.json"], "w") as f:
@@ -48,4 +67,36 @@ def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = No
     text = summary_text(timelines)
     with open(paths["summary.txt"], "w") as f:
         f.write(text + "\n")
-    return dict(paths=paths, summary=text)
+    return dict(paths=paths, summary=text, notes=notes)
+
+
+def load_rank_files(out_dir, model: int = 0) -> list[dict]:
+    """The rank files of wrapper `model` in out_dir, by rank (InputError if there are none, or
+    ranks are missing)."""
+    found = {}
+    for path in glob.glob(os.path.join(out_dir, "rank*.json")):
+        match = RANK_FILE.search(os.path.basename(path))
+        if match and int(match.group(2) or 0) == model:
+            with open(path) as f:
+                found[int(match.group(1))] = json.load(f)
+    if not found:
+        raise InputError(f"{out_dir}: no rank*.json files; `PYREDUCER_TRACE={out_dir} torchrun "
+                         f"... train.py` (any script that uses pyreducer) writes them")
+    world_size = found[min(found)]["world_size"]
+    missing = [r for r in range(world_size) if r not in found]
+    if missing:
+        raise InputError(f"{out_dir}: rank files of ranks {missing} of {world_size} are missing "
+                         f"(did those ranks exit before writing?)")
+    return [found[r] for r in range(world_size)]
+
+
+def report_dir(out_dir, model: int = 0, keep: int | None = None) -> dict:
+    """Merges the rank files of out_dir (clocks aligned to rank 0; the last `keep` iterations,
+    default all) and writes the report there, with rank 0's profile as profile.json."""
+    ranks = load_rank_files(out_dir, model)
+    timelines = [[shift_record(record, -rank["clock_offset_ns"])
+                  for record in rank["timeline"][-keep if keep else 0:]] for rank in ranks]
+    if not any(timelines):
+        raise InputError(f"{out_dir}: the rank files hold no recorded iteration (no synced "
+                         f"backward ran, or timeline_iterations=0)")
+    return write_report(timelines, out_dir, profile=ranks[0]["profile"])

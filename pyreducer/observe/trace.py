@@ -51,11 +51,12 @@ def gather_timelines(model, last: int) -> list[list[dict]] | None:
     dist.all_gather_object(gathered, mine, group=group)
     if dist.get_rank(group) != 0:
         return None
-    return [[_shift(record, -offsets[rank]) for record in timeline]
+    return [[shift_record(record, -offsets[rank]) for record in timeline]
             for rank, timeline in enumerate(gathered)]
 
 
-def _shift(record: dict, delta: int) -> dict:
+def shift_record(record: dict, delta: int) -> dict:
+    """A timeline record with every host time moved by delta ns (0 stays 0: not recorded)."""
     out = {k: (v + delta if k.endswith("_ns") and v else v) for k, v in record.items()}
     out["grads"] = [dict(g, ready_ns=g["ready_ns"] + delta if g["ready_ns"] else 0)
                     for g in record["grads"]]

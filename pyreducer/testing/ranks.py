@@ -61,6 +61,33 @@ def _child(rank, world_size, init_file, fn, args, results, pg_timeout_s, threads
     os._exit(0 if status == "ok" else 1)
 
 
+def _collect(procs, results, deadline, may_die, error_grace_s) -> dict:
+    """{rank: (status, payload)} of the ranks that reported by the deadline (shortened once a
+    rank that may not die failed); then every rank still running is killed."""
+    outcomes: dict[int, tuple[str, object]] = {}
+    try:
+        while len(outcomes) < len(procs):
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            try:
+                rank, status, payload = results.get(timeout=min(0.5, deadline - now))
+            except queue_module.Empty:
+                _mark_dead(procs, outcomes, results)
+                continue
+            outcomes[rank] = (status, payload)
+            if status == "error" and rank not in may_die:
+                deadline = min(deadline, time.monotonic() + error_grace_s)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return outcomes
+
+
 def _mark_dead(procs, outcomes, results):
     """Records ranks whose process exited without reporting (segfault, abort, kill)."""
     dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
@@ -105,28 +132,10 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
                  for rank in range(world_size)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout_s
-        outcomes: dict[int, tuple[str, object]] = {}
         try:
-            while len(outcomes) < world_size:
-                now = time.monotonic()
-                if now >= deadline:
-                    break
-                try:
-                    rank, status, payload = results.get(timeout=min(0.5, deadline - now))
-                except queue_module.Empty:
-                    _mark_dead(procs, outcomes, results)
-                    continue
-                outcomes[rank] = (status, payload)
-                if status == "error" and rank not in may_die:
-                    deadline = min(deadline, time.monotonic() + error_grace_s)
+            outcomes = _collect(procs, results, time.monotonic() + timeout_s, may_die,
+                                error_grace_s)
         finally:
-            for p in procs:
-                p.join(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
             results.close()
 
     errors = sorted((r, payload) for r, (status, payload) in outcomes.items()

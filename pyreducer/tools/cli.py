@@ -1,133 +1,202 @@
-"""Command line: `python -m pyreducer demo | trace | simulate | netem`."""
+"""Command line: `python -m pyreducer demo | trace | report | simulate | netem` (--help on each)."""
 from __future__ import annotations
 
 import argparse
+import glob
+import os
+import sys
+
+from pyreducer.observe import InputError
+from pyreducer.testing.models import SPECS
+
+MODELS = sorted(SPECS)
 
 
-def trace_worker(rank, world_size, model_name, steps, bucket_cap_mb, batch, keep):
+def trace_worker(rank, world_size, model_name, steps, bucket_cap_mb, batch):
+    """One rank of `trace`: trains with PYREDUCER_TRACE set (run_ranks passes it), so the
+    wrapper records itself as any user script's would; writes its rank file at the end."""
     import torch
 
     from pyreducer import DistributedDataParallel
-
+    from pyreducer.observe import recorder
     from pyreducer.testing import models
-    from pyreducer.observe.trace import gather_timelines
-
-    import statistics
-    import time
 
     spec = models.spec(model_name)
     torch.manual_seed(0)
     model = DistributedDataParallel(spec.build(), bucket_cap_mb=bucket_cap_mb,
-                                    timeline_iterations=keep)
+                                    timeline_iterations=min(steps, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(rank)
-    forward_ms, optimizer_ms = [], []
     for step in range(steps):
         opt.zero_grad()
-        t0 = time.perf_counter()
-        loss = spec.loss(model, spec.batch(gen, batch))
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
+        spec.loss(model, spec.batch(gen, batch)).backward()
         opt.step()
-        forward_ms.append((t1 - t0) * 1e3)
-        optimizer_ms.append((time.perf_counter() - t2) * 1e3)
         if rank == 0:
             print(f"  step {step + 1}/{steps}", flush=True)
-    profile = model.profile(statistics.median(forward_ms), statistics.median(optimizer_ms), keep)
-    return gather_timelines(model, keep), vars(profile)
+    return recorder.write_all()  # run_ranks ends ranks with os._exit: no exit handlers
 
 
 def trace_main(args) -> int:
-    from pyreducer.observe.report import write_report
+    from pyreducer.observe.report import report_dir
     from pyreducer.testing import run_ranks
 
     print(f"pyreducer trace: model '{args.model}', {args.nproc} local Gloo ranks, "
           f"bucket_cap_mb={args.bucket_cap_mb}, {args.steps} steps", flush=True)
-    results = run_ranks(trace_worker, args.nproc, timeout_s=1200,
-                        args=(args.model, args.steps, args.bucket_cap_mb, args.batch,
-                              min(args.steps, args.keep)))
-    timelines, profile = results[0]
-    report = write_report(timelines, args.out, profile=profile)
+    os.makedirs(args.out, exist_ok=True)
+    for stale in glob.glob(os.path.join(args.out, "rank*.json")):
+        os.remove(stale)
+    run_ranks(trace_worker, args.nproc, timeout_s=args.timeout,
+              args=(args.model, args.steps, args.bucket_cap_mb, args.batch),
+              env={"PYREDUCER_TRACE": args.out})
+    return print_report(report_dir(args.out, keep=args.keep))
+
+
+def report_main(args) -> int:
+    from pyreducer.observe.report import report_dir
+
+    return print_report(report_dir(args.dir, model=args.model_index, keep=args.keep))
+
+
+def print_report(report: dict) -> int:
     print(report["summary"])
     for name, path in report["paths"].items():
         print(f"wrote {path}")
+    for note in report["notes"]:
+        print(note)
     return 0
 
 
 def netem_main(args) -> int:
-    import sys
-
     from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        print("netem: give the command to run after --", file=sys.stderr)
-        return 2
+        raise InputError("give the command to run after --, e.g. -- python train.py")
     try:
         with EmulatedCluster(args.hosts, args.rate) as cluster:
             procs = [cluster.launch(rank, command) for rank in range(args.hosts)]
             codes = cluster.wait(procs, timeout_s=args.timeout)
     except NetemUnavailable as error:
-        print(f"netem: {error}; not running on loopback instead", file=sys.stderr)
-        return 2
+        raise InputError(f"{error}; not running on loopback instead") from None
     print(f"netem: exit codes per rank: {codes}")
     return max(codes)
 
 
 def simulate_main(args) -> int:
     import json
-    import os
 
     from pyreducer.tools import simulate
 
     profile = simulate.load_profile(args.profile)
-    rows = simulate.simulate(profile, [int(r) for r in args.ranks.split(",")],
-                             args.link.split(","))
+    rows = simulate.simulate(profile, _ints(args.ranks, "--ranks"), args.link.split(","))
     print(simulate.format_rows(rows))
     base = args.profile if os.path.isdir(args.profile) else os.path.dirname(args.profile)
     png = args.out or os.path.join(base, "simulate.png")
-    simulate.plot(rows, png)
     with open(os.path.splitext(png)[0] + ".json", "w") as f:
         json.dump(rows, f, indent=1)
-    print(f"wrote {png}")
+    print(f"wrote {os.path.splitext(png)[0]}.json")
+    from pyreducer.observe.plot import PlottingUnavailable
+
+    try:
+        print(f"wrote {simulate.plot(rows, png)}")
+    except PlottingUnavailable as error:
+        print(f"no plot: {error}")
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pyreducer")
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train with torch DDP and pyreducer side by side")
-    demo.add_argument("--nproc", type=int, default=2)
-    demo.add_argument("--steps", type=int, default=20)
-    demo.add_argument("--model", default="demo")
-    demo.add_argument("--out", default="run/demo", help="where the trace and plots go")
-    trace = commands.add_parser("trace", help="train with pyreducer; write trace, plots, summary")
-    trace.add_argument("--model", default="mlp_large")
-    trace.add_argument("--nproc", type=int, default=2)
-    trace.add_argument("--bucket-cap-mb", type=float, default=None)
-    trace.add_argument("--steps", type=int, default=20)
-    trace.add_argument("--batch", type=int, default=32)
-    trace.add_argument("--keep", type=int, default=5, help="iterations kept in the trace")
-    trace.add_argument("--out", default="run/trace")
-    simulate = commands.add_parser("simulate", help="predict many-host runs from a profile")
-    simulate.add_argument("--profile", required=True, help="a trace output dir (profile.json)")
-    simulate.add_argument("--ranks", default="2,8,64,512")
-    simulate.add_argument("--link", default="1gbit,10gbit,100gbit")
-    simulate.add_argument("--out", default=None, help="PNG path (default: next to the profile)")
-    netem = commands.add_parser("netem", help="run a command as N ranks on emulated hosts")
-    netem.add_argument("--hosts", type=int, default=2)
-    netem.add_argument("--rate", default="1gbit", help="e.g. 1gbit, 10gbit, unlimited")
-    netem.add_argument("--timeout", type=float, default=3600)
-    netem.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
-    args = parser.parse_args(argv)
-    if args.command == "netem":
-        return netem_main(args)
-    if args.command == "simulate":
-        return simulate_main(args)
-    if args.command == "demo":
-        from pyreducer.tools import demo as demo_module
+def demo_main(args) -> int:
+    from pyreducer.tools import demo
 
-        return demo_module.main(nproc=args.nproc, steps=args.steps, model=args.model,
-                                out=args.out)
-    return trace_main(args)
+    return demo.main(nproc=args.nproc, steps=args.steps, model=args.model, out=args.out)
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise InputError(f"{option} expects comma-separated whole numbers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise InputError(f"{option} expects positive numbers, got {text!r}")
+    return values
+
+
+def _add_training_options(parser, model_default: str, steps_default: int) -> None:
+    parser.add_argument("--model", default=model_default, choices=MODELS,
+                        help=f"reference model (pyreducer/testing/models.py); default "
+                             f"{model_default}")
+    parser.add_argument("--nproc", type=int, default=2, metavar="N",
+                        help="local Gloo ranks (processes) to spawn; default 2")
+    parser.add_argument("--steps", type=int, default=steps_default, metavar="N",
+                        help=f"training steps; default {steps_default}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pyreducer", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = commands.add_parser("demo", help="train with torch DDP and pyreducer side by side")
+    _add_training_options(demo, "demo", 20)
+    demo.add_argument("--out", default="run/demo", metavar="DIR",
+                      help="folder for the trace, plots and step profile; default run/demo")
+
+    trace = commands.add_parser("trace", help="train a reference model with pyreducer; write "
+                                              "trace, plots, summary and step profile")
+    _add_training_options(trace, "mlp_large", 20)
+    trace.add_argument("--bucket-cap-mb", type=float, default=None, metavar="MIB",
+                       help="bucket cap in MiB (as DDP's bucket_cap_mb); default DDP's caps")
+    trace.add_argument("--batch", type=int, default=32, metavar="N",
+                       help="samples per rank and step; default 32")
+    trace.add_argument("--keep", type=int, default=5, metavar="N",
+                       help="last iterations shown in the trace and plots; default 5")
+    trace.add_argument("--timeout", type=float, default=1200, metavar="SECONDS",
+                       help="kill the ranks after this long; default 1200")
+    trace.add_argument("--out", default="run/trace", metavar="DIR",
+                       help="output folder; default run/trace")
+
+    report = commands.add_parser(
+        "report", help="merge the rank files of PYREDUCER_TRACE=DIR into trace, plots, summary")
+    report.add_argument("dir", metavar="DIR", help="the folder PYREDUCER_TRACE named")
+    report.add_argument("--keep", type=int, default=None, metavar="N",
+                        help="last iterations shown; default all that were recorded")
+    report.add_argument("--model-index", type=int, default=0, metavar="K",
+                        help="which wrapper, for scripts that build several (rank<R>.model<K>."
+                             "json); default 0, the first")
+
+    simulate = commands.add_parser("simulate", help="predict many-host runs from a step profile")
+    simulate.add_argument("--profile", required=True, metavar="PATH",
+                          help="profile.json, or the folder holding it (written by trace, "
+                               "report and demo)")
+    simulate.add_argument("--ranks", default="2,8,64,512", metavar="N,N,...",
+                          help="rank counts to predict; default 2,8,64,512")
+    simulate.add_argument("--link", default="1gbit,10gbit,100gbit", metavar="RATE,...",
+                          help="link rates in bits per second, e.g. 100mbit, 1gbit, 10gbit; "
+                               "default 1gbit,10gbit,100gbit")
+    simulate.add_argument("--out", default=None, metavar="PNG",
+                          help="plot path (JSON beside it); default simulate.png next to the "
+                               "profile")
+
+    netem = commands.add_parser("netem", help="run a command as N ranks on emulated hosts "
+                                              "(needs root and iproute2)")
+    netem.add_argument("--hosts", type=int, default=2, metavar="N",
+                       help="emulated hosts, one rank each; default 2")
+    netem.add_argument("--rate", default="1gbit", metavar="RATE",
+                       help="each host's link rate in bits per second (tc syntax: 100mbit, "
+                            "1gbit, 10gbit) or 'unlimited'; default 1gbit")
+    netem.add_argument("--timeout", type=float, default=3600, metavar="SECONDS",
+                       help="kill all ranks after this long; default 3600")
+    netem.add_argument("command", nargs=argparse.REMAINDER,
+                       help="the command every rank runs, after --: -- python train.py ...")
+    return parser
+
+
+COMMANDS = {"demo": demo_main, "trace": trace_main, "report": report_main,
+            "simulate": simulate_main, "netem": netem_main}
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except InputError as error:
+        print(f"python -m pyreducer {args.command}: error: {error}", file=sys.stderr)
+        return 2

@@ -13,13 +13,17 @@ import time
 import torch
 
 
-def _step(model, spec, opt, batch) -> tuple[float, float]:
+def _step(model, spec, opt, batch) -> tuple[float, float, float, float]:
+    """(loss, step seconds, forward seconds, optimizer-step seconds)."""
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     loss = spec.loss(model, batch)
+    forward_end = time.perf_counter()
     loss.backward()
+    backward_end = time.perf_counter()
     opt.step()
-    return loss.item(), time.perf_counter() - start
+    end = time.perf_counter()
+    return loss.item(), end - start, forward_end - start, end - backward_end
 
 
 DEFAULT_VARIANTS = (("torch", "torch", {}), ("pyreducer", "pyreducer", {}))
@@ -32,10 +36,11 @@ def compare_worker(rank, world_size, model_name, steps, warmup, batch_size, buck
     Args:
         variants: (label, "torch" | "pyreducer", extra wrapper kwargs) per variant; the first
             is the reference the others' parameters are compared with.
-    Result (per rank): {label: {"loss": [...], "seconds": [...]}, ..., "max_param_diff": max
-    over variants of |variant - reference|, "params": [final parameters of the last variant],
-    "timelines": the last pyreducer variant's gathered timelines of the last keep_timeline
-    iterations (rank 0 only)}; timing lists exclude warm-up.
+    Result (per rank): {label: {"loss": [...], "seconds": [...], "forward_s": [...],
+    "optimizer_s": [...]}, ..., "max_param_diff": max over variants of |variant - reference|,
+    "params": [final parameters of the last variant], "timelines": the last pyreducer
+    variant's gathered timelines of the last keep_timeline iterations (rank 0 only), "profile":
+    its step profile (for `python -m pyreducer simulate`)}; timing lists exclude warm-up.
     """
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -52,16 +57,18 @@ def compare_worker(rank, world_size, model_name, steps, warmup, batch_size, buck
                for label, kind, kwargs in variants}
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in wrapped.items()}
     gens = {k: torch.Generator().manual_seed(100 + rank) for k in wrapped}
-    out = {k: {"loss": [], "seconds": []} for k in wrapped}
+    out = {k: {"loss": [], "seconds": [], "forward_s": [], "optimizer_s": []} for k in wrapped}
     names = list(wrapped)
     for step in range(warmup + steps):
         line = {}
         for name in names if step % 2 == 0 else names[::-1]:  # alternate who goes first
             model = wrapped[name]
-            loss, seconds = _step(model, spec, opts[name], spec.batch(gens[name], batch_size))
+            loss, seconds, forward_s, optimizer_s = _step(model, spec, opts[name],
+                                                          spec.batch(gens[name], batch_size))
             if step >= warmup:
-                out[name]["loss"].append(loss)
-                out[name]["seconds"].append(seconds)
+                for key, value in (("loss", loss), ("seconds", seconds), ("forward_s", forward_s),
+                                   ("optimizer_s", optimizer_s)):
+                    out[name][key].append(value)
             line[name] = f"{name} loss {loss:.5f} {seconds * 1e3:7.1f} ms"
         if print_progress and rank == 0:
             tag = "warm-up" if step < warmup else f"step {step - warmup + 1:3d}/{steps}"
@@ -74,6 +81,12 @@ def compare_worker(rank, world_size, model_name, steps, warmup, batch_size, buck
     out["params"] = [p.detach().clone() for p in list(wrapped.values())[-1].module.parameters()]
     ours = [m for (label, kind, _), m in zip(variants, wrapped.values()) if kind == "pyreducer"]
     out["timelines"] = gather_timelines(ours[-1], keep_timeline) if keep_timeline else None
+    out["profile"] = None
+    if keep_timeline:
+        label = [label for label, kind, _ in variants if kind == "pyreducer"][-1]
+        out["profile"] = vars(ours[-1].profile(
+            statistics.median(out[label]["forward_s"]) * 1e3,
+            statistics.median(out[label]["optimizer_s"]) * 1e3, keep_timeline))
     out["plan"] = ours[-1].bucket_plan()
     return out
 

@@ -29,10 +29,15 @@ def main(nproc: int = 2, steps: int = 20, warmup: int = 3, model: str = "demo",
           f"parameters bitwise identical across ranks: {identical}")
     print(f"median step time on rank 0: torch DDP {theirs['median_ms']:.1f} ms, "
           f"pyreducer {ours['median_ms']:.1f} ms, ratio pyreducer / torch DDP = {ratio:.3f}")
-    report = write_report(results[0]["timelines"], out)
+    report = write_report(results[0]["timelines"], out, profile=results[0]["profile"])
     print()
     print(report["summary"])
-    print(f"timeline of pyreducer's last 5 steps on every rank: {report['paths']['trace.json']} "
-          f"(open in https://ui.perfetto.dev or chrome://tracing), plots "
-          f"{report['paths']['gantt.png']} and {report['paths']['overlap.png']}")
+    paths = report["paths"]
+    print(f"timeline of pyreducer's last 5 steps on every rank: {paths['trace.json']} "
+          f"(open in https://ui.perfetto.dev or chrome://tracing)"
+          + (f", plots {paths['gantt.png']} and {paths['overlap.png']}" if "gantt.png" in paths
+             else "") + f", step profile {paths['profile.json']} (python -m pyreducer "
+          f"simulate --profile {out})")
+    for note in report["notes"]:
+        print(note)
     return 0 if worst <= 1e-6 and identical else 1

@@ -15,17 +15,30 @@ from __future__ import annotations
 import json
 import os
 
+from pyreducer.observe import InputError
 from pyreducer.tuning import planner, stepmodel
 from pyreducer.tuning.linkmodel import LinkModel
 
 DEFAULT_CAPS = [1 << 20, 25 << 20]
 
 
+PRODUCERS = ("`python -m pyreducer trace --out DIR`, `python -m pyreducer report DIR` (after "
+             "`PYREDUCER_TRACE=DIR torchrun ... train.py`) or `make demo` (run/demo) write one")
+
+
 def load_profile(path) -> stepmodel.Profile:
+    """The step profile in `path` (a profile.json, or a folder holding one); InputError saying
+    which command writes one if there is none or it is not a profile."""
+    if not os.path.exists(path):
+        raise InputError(f"{path}: no such file or folder; {PRODUCERS}")
     file = os.path.join(path, "profile.json") if os.path.isdir(path) else path
-    with open(file) as f:
-        data = json.load(f)
-    return stepmodel.Profile(**data)
+    if not os.path.isfile(file):
+        raise InputError(f"{path} holds no profile.json; {PRODUCERS}")
+    try:
+        with open(file) as f:
+            return stepmodel.Profile(**json.load(f))
+    except (ValueError, TypeError) as error:  # not JSON, or not a profile's fields
+        raise InputError(f"{file}: not a step profile ({error}); {PRODUCERS}") from None
 
 
 def simulate(profile: stepmodel.Profile, ranks: list[int], links: list[str]) -> list[dict]:

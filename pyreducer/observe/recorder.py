@@ -1,0 +1,108 @@
+"""PYREDUCER_TRACE: record any training script's timeline, with no code change.
+
+    PYREDUCER_TRACE=out/ torchrun --nproc-per-node 2 train.py
+    python -m pyreducer report out/
+
+With PYREDUCER_TRACE set (on every rank: torchrun passes the environment to all), every
+pyreducer.DistributedDataParallel attaches a Recorder at construction. It measures each rank's
+clock offset to rank 0 there (a few barriers, while the process group is certainly alive), times
+every synced forward, and at exit (or when the wrapper is freed) writes, without any collective,
+`rank<R>.json` (`rank<R>.model<K>.json` for a second wrapper in one process): the rank's last
+timeline_iterations iterations of the timeline, its step profile (for `python -m pyreducer
+simulate`) and the clock offset. `python -m pyreducer report out/` merges the ranks' files into
+the Chrome trace, plots and summary (pyreducer/observe/report.py).
+
+The profile's forward_ms is the median synced forward; optimizer_ms is the rest of the step:
+from the end of one iteration's gradient write-back to the next synced forward (optimizer step,
+zero_grad, data loading).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import statistics
+import weakref
+
+from pyreducer import timeline as timeline_module
+from pyreducer._ext import _C
+from pyreducer.observe.trace import clock_offsets_ns
+from pyreducer.tuning.stepmodel import Profile
+
+FORMAT = "pyreducer.rank_trace"
+_attached: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+
+
+class Recorder:
+    """One wrapper's recording; see the module docstring."""
+
+    def __init__(self, params, reducer, out_dir: str, index: int):
+        self.params, self.reducer, self.out_dir = params, reducer, out_dir
+        self.rank, self.world_size = params.rank, params.world_size
+        self.index = index
+        self.clock_offset_ns = clock_offsets_ns(params.process_group)[self.rank]
+        self.forward_ns: collections.deque = collections.deque(maxlen=1024)  # (start, end) ns
+        self._started = 0
+        self.written: str | None = None
+
+    @staticmethod
+    def attach(ddp, params, reducer, out_dir: str) -> "Recorder":
+        """Records `ddp` (collective: measures clock offsets); writes at exit or when `ddp` is
+        freed, whichever comes first."""
+        index = sum(1 for r in _attached if r.rank == params.rank)
+        recorder = Recorder(params, reducer, out_dir, index)
+        ddp.register_forward_pre_hook(lambda module, args: recorder._forward_start())
+        ddp.register_forward_hook(lambda module, args, output: recorder._forward_end())
+        weakref.finalize(ddp, recorder.write)  # also runs at interpreter exit
+        _attached.add(recorder)
+        return recorder
+
+    def _forward_start(self) -> None:
+        self._started = _C.Reducer.now_ns()
+
+    def _forward_end(self) -> None:
+        if self.reducer.armed:  # a synced forward: its backward will be recorded
+            self.forward_ns.append((self._started, _C.Reducer.now_ns()))
+
+    def path(self) -> str:
+        suffix = f".model{self.index}" if self.index else ""
+        return os.path.join(self.out_dir, f"rank{self.rank}{suffix}.json")
+
+    def profile(self, records: list[dict]) -> dict | None:
+        """The step profile of the recorded iterations (see the module docstring)."""
+        if not records:
+            return None
+        starts = sorted(start for start, _ in self.forward_ns)
+        forward_ms = statistics.median((end - start) / 1e6 for start, end in self.forward_ns) \
+            if self.forward_ns else 0.0
+        rest_ms = []
+        for r in records:  # the first synced forward after this iteration's write-back
+            later = [s for s in starts if s > r["finalize_end_ns"]]
+            if later:
+                rest_ms.append((later[0] - r["finalize_end_ns"]) / 1e6)
+        profile = Profile.from_timeline(records, self.params.sizes_bytes, forward_ms,
+                                        statistics.median(rest_ms) if rest_ms else 0.0,
+                                        self.params.group_keys)
+        return vars(profile)
+
+    def write(self) -> str | None:
+        """Writes this rank's file (once); returns its path."""
+        if self.written is not None:
+            return self.written
+        records = timeline_module.records(self.params, self.reducer, 1 << 30, rank=self.rank)
+        os.makedirs(self.out_dir, exist_ok=True)
+        document = dict(format=FORMAT, version=1, rank=self.rank, world_size=self.world_size,
+                        host=socket.gethostname(), pid=os.getpid(),
+                        clock_offset_ns=self.clock_offset_ns, timeline=records,
+                        profile=self.profile(records))
+        with open(self.path(), "w") as f:
+            json.dump(document, f)
+        self.written = self.path()
+        return self.written
+
+
+def write_all() -> list[str]:
+    """Writes every attached recorder of this process now (for processes that end with
+    os._exit, which skips the exit handlers); returns the paths."""
+    return [path for r in list(_attached) if (path := r.write()) is not None]

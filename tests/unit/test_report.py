@@ -1,0 +1,62 @@
+"""The report from timelines, without processes: plots, trace and summary from a synthetic
+two-rank timeline; without matplotlib everything but the plots, and a note saying how to get
+them; the rank files PYREDUCER_TRACE writes are merged with their clock offsets."""
+import json
+import sys
+
+import pytest
+
+from pyreducer.observe import InputError, plot, report
+
+
+def _record(rank, offset_ns=0):
+    base = 1_000_000_000 + offset_ns
+    return dict(iteration=3, rank=rank, plan_version=1, backward_start_ns=base,
+                backward_end_ns=base + 8_000_000, wait_start_ns=base + 8_100_000,
+                wait_end_ns=base + 9_000_000, finalize_end_ns=base + 9_500_000,
+                grads=[dict(name="w", ready_ns=base + 2_000_000),
+                       dict(name="b", ready_ns=base + 5_000_000)],
+                buckets=[dict(index=0, params=["b"], size_bytes=4096, ready_ns=base + 5_000_000,
+                              launch_ns=base + 5_100_000, done_ns=base + 7_000_000),
+                         dict(index=1, params=["w"], size_bytes=1 << 20,
+                              ready_ns=base + 2_000_000, launch_ns=base + 7_000_000,
+                              done_ns=base + 8_900_000)])
+
+
+def test_plots_and_report_from_timelines(tmp_path):
+    result = report.write_report([[_record(0)], [_record(1)]], tmp_path, profile={"x": 1})
+    assert not result["notes"]
+    for name in ("gantt.png", "overlap.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "profile.json").read_text()) == {"x": 1}
+    assert "last-bucket bound" in (tmp_path / "summary.txt").read_text()
+
+
+def test_without_matplotlib_the_report_says_how_to_get_plots(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(plot.PlottingUnavailable, match=r"pip install .*\[plot\]"):
+        plot.gantt([[_record(0)]], tmp_path / "g.png")
+    result = report.write_report([[_record(0)]], tmp_path)
+    assert result["notes"] and "pip install" in result["notes"][0]
+    assert (tmp_path / "trace.json").is_file() and not (tmp_path / "gantt.png").exists()
+
+
+def test_rank_files_merge_with_their_clock_offsets(tmp_path):
+    offset = 123_456_789  # rank 1's clock runs this far ahead of rank 0's
+    for rank, shift in ((0, 0), (1, offset)):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(dict(
+            format="pyreducer.rank_trace", version=1, rank=rank, world_size=2,
+            clock_offset_ns=shift, timeline=[_record(rank, shift)], profile={"rank": rank})))
+    report.report_dir(tmp_path)
+    merged = json.loads((tmp_path / "timeline.json").read_text())
+    assert merged[0][0]["backward_start_ns"] == merged[1][0]["backward_start_ns"]
+    assert merged[1][0]["buckets"][1]["done_ns"] == _record(1)["buckets"][1]["done_ns"]
+    assert json.loads((tmp_path / "profile.json").read_text()) == {"rank": 0}
+
+
+def test_missing_ranks_are_named(tmp_path):
+    (tmp_path / "rank1.json").write_text(json.dumps(dict(
+        rank=1, world_size=3, clock_offset_ns=0, timeline=[], profile=None)))
+    with pytest.raises(InputError, match=r"ranks \[0, 2\] of 3 are missing"):
+        report.report_dir(tmp_path)

@@ -1,6 +1,6 @@
 """pyreducer vs torch DDP at the same bucket cap, on local Gloo ranks (loopback).
 
-For each model both wrappers train interleaved on the same ranks (see pyreducer/bench.py); the
+For each model both wrappers train interleaved on the same ranks (see pyreducer/tools/compare.py); the
 script first checks that their parameters agree, then reports the median and spread of the
 step time on every rank and the ratio pyreducer / torch DDP (computed per rank from medians;
 the reported ratio is the worst rank's).

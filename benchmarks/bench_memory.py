@@ -30,7 +30,7 @@ def memory_worker(rank, world_size, model_name, steps, as_view, set_to_none):
     import torch
 
     from pyreducer import DistributedDataParallel
-
+    from pyreducer._ext import _C
     from pyreducer.testing import models
 
     before_kib = _status_kib("VmRSS")
@@ -52,7 +52,7 @@ def memory_worker(rank, world_size, model_name, steps, as_view, set_to_none):
         storages[flat.untyped_storage().data_ptr()] = flat.untyped_storage().nbytes()
     return dict(peak_over_start_mib=(_status_kib("VmHWM") - before_kib) / 1024,
                 grad_and_bucket_mib=sum(storages.values()) / 2**20,
-                param_mib=sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20)
+                param_mib=sum(_C.size_bytes(p) for p in model.parameters()) / 2**20)
 
 
 def main(argv=None):

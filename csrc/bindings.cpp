@@ -152,6 +152,8 @@ void bind_planner(py::module_& m) {
   m.def("reverse_order", &reverse_order, py::arg("num_params"));
   m.def("group_key", &group_key, py::arg("tensor"),
         "The bucket group key, \"dtype/device\", of a tensor (csrc/bucket.h).");
+  m.def("size_bytes", &size_bytes, py::arg("tensor"),
+        "Bytes of a tensor's elements, its slot in a bucket (csrc/bucket.h).");
 }
 
 // ReducerOptions, its defaults taken from C++ (csrc/reducer.h): Python sets what it changes.

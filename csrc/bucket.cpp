@@ -25,6 +25,10 @@ std::string group_key(const at::Tensor& tensor) {
   return std::string(c10::toString(tensor.scalar_type())) + "/" + tensor.device().str();
 }
 
+int64_t size_bytes(const at::Tensor& tensor) {
+  return tensor.numel() * static_cast<int64_t>(tensor.element_size());
+}
+
 BucketSet make_buckets(const std::vector<at::Tensor>& params,
                        const std::vector<std::string>& param_names,
                        const std::vector<std::vector<int64_t>>& plan) {

@@ -42,7 +42,12 @@ BucketSet make_buckets(const std::vector<at::Tensor>& params,
                        const std::vector<std::string>& param_names,
                        const std::vector<std::vector<int64_t>>& plan);
 
-// "dtype/device" of a tensor: parameters with different keys never share a bucket.
+// "dtype/device" of a tensor: parameters with different keys never share a bucket. The one
+// definition (Python reads it as pyreducer._C.group_key).
 std::string group_key(const at::Tensor& tensor);
+
+// Bytes of a tensor's elements: what its slot takes in a bucket. The one definition (Python
+// reads it as pyreducer._C.size_bytes).
+int64_t size_bytes(const at::Tensor& tensor);
 
 }  // namespace pyreducer

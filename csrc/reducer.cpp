@@ -86,6 +86,10 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
                                   " does not require grad");
     }
   }
+  if (options_.rebuild_buckets && options_.rebuild_caps_bytes.empty()) {
+    throw std::invalid_argument("Reducer: rebuild_buckets needs bucket caps for the rebuild, "
+                                "got an empty rebuild_caps_bytes");
+  }
   world_size_ = group_->getSize();
   grad_scale_ = 1.0 / static_cast<double>(world_size_);
   install_plan(initial_plan);

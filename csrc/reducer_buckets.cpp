@@ -48,8 +48,7 @@ bool Reducer::rebuild_buckets() {
   broadcast_int64s(group_, ready_order_, /*root=*/0);
   std::vector<ParamSpec> specs(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
-    specs[i] = ParamSpec{params_[i].numel() * static_cast<int64_t>(params_[i].element_size()),
-                         group_key(params_[i])};
+    specs[i] = ParamSpec{size_bytes(params_[i]), group_key(params_[i])};
   }
   std::vector<std::vector<int64_t>> plan;
   for (BucketSpec& spec : assign_buckets(specs, ready_order_, options_.rebuild_caps_bytes)) {

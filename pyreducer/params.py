@@ -16,11 +16,6 @@ from torch import nn
 from pyreducer._ext import _C
 
 
-def size_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of a tensor's elements (what a bucket slot holds)."""
-    return tensor.numel() * tensor.element_size()
-
-
 @dataclass(frozen=True, eq=False)
 class ReducedParams:
     """The parameters a wrapper reduces, in DDP's order, with what helpers need to know of them.
@@ -28,7 +23,7 @@ class ReducedParams:
     Attributes:
         names: fully qualified parameter names (the module's, without the wrapper's prefix).
         tensors: the parameters, one per name.
-        sizes_bytes: bytes per parameter.
+        sizes_bytes: bytes per parameter (csrc/bucket.h size_bytes).
         group_keys: "dtype/device" per parameter (csrc/bucket.h group_key): parameters with
             different keys never share a bucket.
         process_group: the group gradients are averaged over.
@@ -49,7 +44,7 @@ class ReducedParams:
         """From (name, parameter) pairs in reduction order."""
         tensors = tuple(p for _, p in named)
         return ReducedParams(names=tuple(n for n, _ in named), tensors=tensors,
-                             sizes_bytes=tuple(size_bytes(p) for p in tensors),
+                             sizes_bytes=tuple(_C.size_bytes(p) for p in tensors),
                              group_keys=tuple(_C.group_key(p) for p in tensors),
                              process_group=process_group, module=module,
                              ignored=frozenset(ignored))

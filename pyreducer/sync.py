@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pyreducer.params import size_bytes
+from pyreducer._ext import _C
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # as torch DDP
 
@@ -111,7 +111,7 @@ def _chunks(tensors, chunk_bytes):
     for group_tensors in by_key.values():
         chunk, size = [], 0
         for t in group_tensors:
-            nbytes = size_bytes(t)
+            nbytes = _C.size_bytes(t)
             if chunk and size + nbytes > chunk_bytes:
                 yield chunk
                 chunk, size = [], 0

@@ -1,5 +1,6 @@
 """Shared fixtures. The suite has three layers, by cost:
-    tests/unit/       no processes: seconds (`make test-fast`)
+    tests/unit/       no ranks: in-process, plus a few short runs of the command line (seconds,
+                      `make test-fast`)
     tests/multirank/  spawned Gloo ranks (pyreducer.testing.run_ranks: file-store rendezvous, hard
                       wall-clock bound, failing rank named), and torchrun
     tests/netem/      emulated hosts (network namespaces, tc): root only, skipped with the reason

@@ -1,6 +1,6 @@
-// What timeline recording costs the Reducer per iteration, measured without Python or torch
-// (the Timeline of csrc/timeline.h alone): one simulated iteration does what the Reducer does
-// per iteration (begin, one stamp per gradient, three per bucket, four at the end).
+// What timeline recording costs the Reducer per iteration, measured without Python (the Timeline
+// of csrc/timeline.h alone, linked with the core): one simulated iteration does what the Reducer
+// does per iteration (begin, one stamp per gradient, three per bucket, four at the end).
 //
 //   build/cmake/bench_timeline_recording NUM_PARAMS NUM_BUCKETS [ITERATIONS]
 // prints the mean nanoseconds per iteration (benchmarks/bench_timeline_overhead.py runs it).
@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "reducer.h"
 #include "timeline.h"
 
 namespace {
@@ -15,7 +16,7 @@ namespace {
 double recording_cost_ns(size_t num_params, size_t num_buckets, size_t iterations) {
   using pyreducer::IterationRecord;
   using pyreducer::Timeline;
-  Timeline timeline(8, num_params);
+  Timeline timeline(pyreducer::ReducerOptions{}.timeline_iterations, num_params);
   const int64_t start = Timeline::now_ns();
   for (size_t it = 0; it < iterations; ++it) {
     IterationRecord* r = timeline.begin(static_cast<int64_t>(it), 0, num_buckets,

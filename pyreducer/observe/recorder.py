@@ -7,9 +7,10 @@ With PYREDUCER_TRACE set (on every rank: torchrun passes the environment to all)
 pyreducer.DistributedDataParallel attaches a Recorder at construction. It measures each rank's
 clock offset to rank 0 there (a few barriers, while the process group is certainly alive), times
 every synced forward, and at exit (or when the wrapper is freed) writes, without any collective,
-`rank<R>.json` (`rank<R>.model<K>.json` for a second wrapper in one process): the rank's last
-timeline_iterations iterations of the timeline, its step profile (for `python -m pyreducer
-simulate`) and the clock offset. `python -m pyreducer report out/` merges the ranks' files into
+`rank<R>.json` (R: the global rank; `rank<R>.model<K>.json` for the K-th further wrapper built
+in that process): the rank's last timeline_iterations iterations of the timeline, its step
+profile (for `python -m pyreducer simulate`), its rank in the wrapper's process group, the clock
+offset, and a run id shared by the ranks of one run (so that a report never mixes runs). `python -m pyreducer report out/` merges the ranks' files into
 the Chrome trace, plots and summary (pyreducer/observe/report.py).
 
 The profile's forward_ms is the median synced forward; optimizer_ms is the rest of the step:
@@ -19,11 +20,15 @@ zero_grad, data loading).
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
 import socket
 import statistics
 import weakref
+
+import torch
+import torch.distributed as dist
 
 from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
@@ -32,6 +37,7 @@ from pyreducer.tuning.stepmodel import Profile
 
 FORMAT = "pyreducer.rank_trace"
 _attached: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_wrappers_built = itertools.count()  # wrappers recorded in this process, freed ones included
 
 
 class Recorder:
@@ -39,9 +45,11 @@ class Recorder:
 
     def __init__(self, params, reducer, out_dir: str, index: int):
         self.params, self.reducer, self.out_dir = params, reducer, out_dir
-        self.rank, self.world_size = params.rank, params.world_size
+        self.rank, self.world_size = params.rank, params.world_size  # in the wrapper's group
+        self.global_rank = dist.get_rank()
         self.index = index
-        self.clock_offset_ns = clock_offsets_ns(params.process_group)[self.rank]
+        self.clock_offset_ns = clock_offsets_ns(params.process_group, params.device)[self.rank]
+        self.run_id = _run_id(params)
         self.forward_ns: collections.deque = collections.deque(maxlen=1024)  # (start, end) ns
         self._started = 0
         self.written: str | None = None
@@ -50,8 +58,7 @@ class Recorder:
     def attach(ddp, params, reducer, out_dir: str) -> "Recorder":
         """Records `ddp` (collective: measures clock offsets); writes at exit or when `ddp` is
         freed, whichever comes first."""
-        index = sum(1 for r in _attached if r.rank == params.rank)
-        recorder = Recorder(params, reducer, out_dir, index)
+        recorder = Recorder(params, reducer, out_dir, next(_wrappers_built))
         ddp.register_forward_pre_hook(lambda module, args: recorder._forward_start())
         ddp.register_forward_hook(lambda module, args, output: recorder._forward_end())
         weakref.finalize(ddp, recorder.write)  # also runs at interpreter exit
@@ -67,7 +74,7 @@ class Recorder:
 
     def path(self) -> str:
         suffix = f".model{self.index}" if self.index else ""
-        return os.path.join(self.out_dir, f"rank{self.rank}{suffix}.json")
+        return os.path.join(self.out_dir, f"rank{self.global_rank}{suffix}.json")
 
     def profile(self, records: list[dict]) -> dict | None:
         """The step profile of the recorded iterations (see the module docstring)."""
@@ -93,6 +100,7 @@ class Recorder:
         records = timeline_module.records(self.params, self.reducer, 1 << 30, rank=self.rank)
         os.makedirs(self.out_dir, exist_ok=True)
         document = dict(format=FORMAT, version=1, rank=self.rank, world_size=self.world_size,
+                        global_rank=self.global_rank, run_id=self.run_id,
                         host=socket.gethostname(), pid=os.getpid(),
                         clock_offset_ns=self.clock_offset_ns, timeline=records,
                         profile=self.profile(records))
@@ -100,6 +108,13 @@ class Recorder:
             json.dump(document, f)
         self.written = self.path()
         return self.written
+
+
+def _run_id(params) -> int:
+    """Rank 0's clock at this moment, the same number on every rank of the group (collective)."""
+    stamp = torch.tensor([_C.Reducer.now_ns()], dtype=torch.int64, device=params.device)
+    dist.broadcast(stamp, dist.get_global_rank(params.process_group, 0), group=params.process_group)
+    return int(stamp.item())
 
 
 def write_all() -> list[str]:

@@ -71,23 +71,43 @@ def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = No
 
 
 def load_rank_files(out_dir, model: int = 0) -> list[dict]:
-    """The rank files of wrapper `model` in out_dir, by rank (InputError if there are none, or
-    ranks are missing)."""
-    found = {}
-    for path in glob.glob(os.path.join(out_dir, "rank*.json")):
+    """The rank files of wrapper `model` in out_dir, by rank in the wrapper's group (InputError
+    if there are none, they are not rank files, come from different runs, or ranks are missing)."""
+    from pyreducer.observe.recorder import FORMAT
+
+    by_rank, run_ids = {}, set()
+    for path in sorted(glob.glob(os.path.join(out_dir, "rank*.json"))):
         match = RANK_FILE.search(os.path.basename(path))
-        if match and int(match.group(2) or 0) == model:
+        if not match or int(match.group(2) or 0) != model:
+            continue
+        try:
             with open(path) as f:
-                found[int(match.group(1))] = json.load(f)
-    if not found:
+                data = json.load(f)
+        except ValueError as error:
+            raise InputError(f"{path}: not a rank file ({error}); PYREDUCER_TRACE writes them") \
+                from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise InputError(f"{path}: not a {FORMAT} file; PYREDUCER_TRACE writes them")
+        run_ids.add(data["run_id"])
+        by_rank.setdefault(data["rank"], []).append((path, data))
+    if not by_rank:
         raise InputError(f"{out_dir}: no rank*.json files; `PYREDUCER_TRACE={out_dir} torchrun "
                          f"... train.py` (any script that uses pyreducer) writes them")
-    world_size = found[min(found)]["world_size"]
-    missing = [r for r in range(world_size) if r not in found]
+    if len(run_ids) > 1:
+        raise InputError(f"{out_dir}: rank files of {len(run_ids)} different runs; empty the "
+                         f"folder before a new PYREDUCER_TRACE run")
+    doubled = [[path for path, _ in entries] for entries in by_rank.values() if len(entries) > 1]
+    if doubled:
+        raise InputError(f"{out_dir}: several process groups traced one wrapper each "
+                         f"({', '.join(doubled[0])} hold the same group rank); give each group "
+                         f"its own PYREDUCER_TRACE folder")
+    ranks = {rank: entries[0][1] for rank, entries in by_rank.items()}
+    world_size = next(iter(ranks.values()))["world_size"]
+    missing = [r for r in range(world_size) if r not in ranks]
     if missing:
         raise InputError(f"{out_dir}: rank files of ranks {missing} of {world_size} are missing "
                          f"(did those ranks exit before writing?)")
-    return [found[r] for r in range(world_size)]
+    return [ranks[r] for r in range(world_size)]
 
 
 def report_dir(out_dir, model: int = 0, keep: int | None = None) -> dict:

@@ -26,16 +26,17 @@ CLOCK_ROUNDS = 7
 COMPUTE_TID, WAIT_TID, BUCKET_TID0 = 0, 1, 10
 
 
-def clock_offsets_ns(group) -> list[int]:
-    """Per rank, its monotonic clock minus rank 0's (see the module docstring)."""
+def clock_offsets_ns(group, device="cpu") -> list[int]:
+    """Per rank, its monotonic clock minus rank 0's (see the module docstring). Collective; the
+    readings travel on `device` (an NCCL group takes CUDA tensors only)."""
     from pyreducer._ext import _C
 
     world = dist.get_world_size(group)
     samples: list[list[int]] = [[] for _ in range(world)]
     for _ in range(CLOCK_ROUNDS):
         dist.barrier(group=group)
-        now = torch.tensor([_C.Reducer.now_ns()], dtype=torch.int64)
-        gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        now = torch.tensor([_C.Reducer.now_ns()], dtype=torch.int64, device=device)
+        gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
         dist.all_gather(gathered, now, group=group)
         for r in range(world):
             samples[r].append(int(gathered[r].item() - gathered[0].item()))
@@ -45,7 +46,7 @@ def clock_offsets_ns(group) -> list[int]:
 def gather_timelines(model, last: int) -> list[list[dict]] | None:
     """Every rank's timeline, clock-aligned to rank 0, on rank 0 (None elsewhere). Collective."""
     group = model.process_group
-    offsets = clock_offsets_ns(group)
+    offsets = clock_offsets_ns(group, next(model.parameters()).device)
     mine = model.timeline(last)
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)

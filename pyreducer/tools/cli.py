@@ -12,7 +12,7 @@ from pyreducer.testing.models import SPECS
 MODELS = sorted(SPECS)
 
 
-def trace_worker(rank, world_size, model_name, steps, bucket_cap_mb, batch):
+def trace_worker(rank, world_size, model_name, steps, bucket_cap_mb, batch, keep):
     """One rank of `trace`: trains with PYREDUCER_TRACE set (run_ranks passes it), so the
     wrapper records itself as any user script's would; writes its rank file at the end."""
     import torch
@@ -24,7 +24,7 @@ def trace_worker(rank, world_size, model_name, steps, bucket_cap_mb, batch):
     spec = models.spec(model_name)
     torch.manual_seed(0)
     model = DistributedDataParallel(spec.build(), bucket_cap_mb=bucket_cap_mb,
-                                    timeline_iterations=min(steps, 64))
+                                    timeline_iterations=keep)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(rank)
     for step in range(steps):
@@ -46,9 +46,10 @@ def trace_main(args) -> int:
     for stale in glob.glob(os.path.join(args.out, "rank*.json")):
         os.remove(stale)
     run_ranks(trace_worker, args.nproc, timeout_s=args.timeout,
-              args=(args.model, args.steps, args.bucket_cap_mb, args.batch),
+              args=(args.model, args.steps, args.bucket_cap_mb, args.batch,
+                    min(args.steps, args.keep)),
               env={"PYREDUCER_TRACE": args.out})
-    return print_report(report_dir(args.out, keep=args.keep))
+    return print_report(report_dir(args.out))
 
 
 def report_main(args) -> int:
@@ -92,6 +93,7 @@ def simulate_main(args) -> int:
     print(simulate.format_rows(rows))
     base = args.profile if os.path.isdir(args.profile) else os.path.dirname(args.profile)
     png = args.out or os.path.join(base, "simulate.png")
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
     with open(os.path.splitext(png)[0] + ".json", "w") as f:
         json.dump(rows, f, indent=1)
     print(f"wrote {os.path.splitext(png)[0]}.json")
@@ -146,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--batch", type=int, default=32, metavar="N",
                        help="samples per rank and step; default 32")
     trace.add_argument("--keep", type=int, default=5, metavar="N",
-                       help="last iterations shown in the trace and plots; default 5")
+                       help="last iterations recorded (timeline_iterations), shown in the trace "
+                            "and plots and profiled; default 5")
     trace.add_argument("--timeout", type=float, default=1200, metavar="SECONDS",
                        help="kill the ranks after this long; default 1200")
     trace.add_argument("--out", default="run/trace", metavar="DIR",

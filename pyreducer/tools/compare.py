@@ -45,7 +45,6 @@ def compare_worker(rank, world_size, model_name, steps, warmup, batch_size, buck
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
-
     from pyreducer.testing import models
     from pyreducer.observe.trace import gather_timelines
 

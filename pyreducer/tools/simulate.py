@@ -2,13 +2,15 @@
 
     python -m pyreducer simulate --profile run/trace --ranks 2,8,64,512 --link 1gbit,10gbit,100gbit
 
-The profile (profile.json, written by `python -m pyreducer trace`) holds one rank's gradient
+The profile (profile.json, written by `python -m pyreducer trace`, `report` and `demo`) holds one
+rank's gradient
 ready times, sizes, backward, forward and optimizer times. For each rank count and link, the
 step model (pyreducer.tuning.stepmodel) predicts the step time of torch DDP's default plan and of
 the optimal plan (pyreducer.tuning.planner), with a nominal link model (rate, 50 us latency)
 and ring all-reduce. Scaling efficiency = compute-only step / predicted step.
-Left out: contention (nominal links have none), stragglers, hierarchical topologies (intra/inter-node), congestion, and
-per-message latency beyond one term per all-reduce: real large-scale runs will be slower.
+Left out: contention (nominal links have none), stragglers, hierarchical topologies
+(intra/inter-node), congestion, and per-message latency beyond one term per all-reduce: real
+large-scale runs will be slower.
 """
 from __future__ import annotations
 
@@ -41,12 +43,22 @@ def load_profile(path) -> stepmodel.Profile:
         raise InputError(f"{file}: not a step profile ({error}); {PRODUCERS}") from None
 
 
+def links_from_rates(rates: list[str]) -> dict[str, LinkModel]:
+    """Nominal links by rate name; InputError naming a rate that is not one."""
+    links = {}
+    for rate in rates:
+        try:
+            links[rate] = LinkModel.from_rate(rate)
+        except ValueError as error:
+            raise InputError(f"--link: {error}") from None
+    return links
+
+
 def simulate(profile: stepmodel.Profile, ranks: list[int], links: list[str]) -> list[dict]:
     compute = profile.forward_ms + profile.backward_ms + profile.optimizer_ms
     default = stepmodel.cap_plan(profile, DEFAULT_CAPS)
     rows = []
-    for link_name in links:
-        link = LinkModel.from_rate(link_name)
+    for link_name, link in links_from_rates(links).items():
         for n in ranks:
             best = planner.best_plan(profile, link, n)
             default_ms = stepmodel.predict_step_ms(profile, default, link, n)
@@ -66,7 +78,7 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(f"{r['link']:>8} {r['ranks']:>6} {r['compute_ms']:>9.1f} "
                      f"{r['ddp_default_ms']:>12.1f} {r['best_ms']:>10.1f} {r['best_buckets']:>8} "
                      f"{r['efficiency_default']:>13.2f} {r['efficiency_best']:>10.2f}")
-    lines.append("times in ms per step; model: pyreducer/tuning/simulate.py (what it leaves out)")
+    lines.append("times in ms per step; model: pyreducer/tools/simulate.py (what it leaves out)")
     return "\n".join(lines)
 
 

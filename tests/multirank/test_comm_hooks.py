@@ -38,7 +38,6 @@ def torch_hooks_worker(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
-
     from pyreducer.testing import models
 
     spec = models.spec("mlp")
@@ -62,7 +61,6 @@ def builtin_worker(rank, world_size):
     import torch.distributed as dist
 
     from pyreducer import DistributedDataParallel
-
     from pyreducer.testing import models
 
     spec = models.spec("mlp")

@@ -102,3 +102,41 @@ def test_demo_writes_a_profile_that_simulate_accepts(tmp_path):
     _run(["-m", "pyreducer", "simulate", "--profile", "demo", "--ranks", "2,64",
           "--link", "10gbit"], tmp_path)
     assert (tmp_path / "demo" / "simulate.png").is_file()
+
+
+def two_wrappers_worker(rank, world_size):
+    """Under PYREDUCER_TRACE: a wrapper trained and freed, then a second one in its place."""
+    import gc
+
+    import torch
+
+    from pyreducer import DistributedDataParallel
+    from pyreducer.observe import recorder
+
+    def train(bucket_cap_mb):
+        model = DistributedDataParallel(torch.nn.Sequential(
+            torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)),
+            bucket_cap_mb=bucket_cap_mb)
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+        return model
+
+    model = train(None)
+    del model
+    gc.collect()  # its recorder writes now, when the wrapper is freed
+    kept = train(0.001)
+    return recorder.write_all(), len(kept.bucket_plan())
+
+
+def test_each_wrapper_gets_its_own_rank_files(tmp_path):
+    from pyreducer.observe.report import load_rank_files
+    from pyreducer.testing import run_ranks
+
+    results = run_ranks(two_wrappers_worker, 2, timeout_s=120,
+                        env={"PYREDUCER_TRACE": str(tmp_path)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "rank0.json", "rank0.model1.json", "rank1.json", "rank1.model1.json"]
+    first, second = load_rank_files(tmp_path, 0), load_rank_files(tmp_path, 1)
+    assert first[0]["run_id"] != second[0]["run_id"]  # one id per traced wrapper
+    assert max(len(r["buckets"]) for r in first[0]["timeline"]) == 1  # default caps: one bucket
+    assert max(len(r["buckets"]) for r in second[0]["timeline"]) == results[0][1] > 1

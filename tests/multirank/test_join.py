@@ -36,7 +36,6 @@ def join_worker(rank, world_size, names):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
-
     from pyreducer.testing import models
 
     out = {}

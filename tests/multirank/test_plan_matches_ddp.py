@@ -14,7 +14,6 @@ def plans_worker(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
-
     from pyreducer.testing import models
 
     out = {}

@@ -15,7 +15,6 @@ def _state_dict_checks(results):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
-
     from pyreducer.testing import models
 
     torch.manual_seed(0)
@@ -158,7 +157,6 @@ def _outlived_checks(results, rank):
     import gc
 
     from pyreducer import DistributedDataParallel
-
     from pyreducer.testing import models
 
     spec = models.spec("mlp")

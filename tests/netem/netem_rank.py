@@ -1,4 +1,4 @@
-"""A rank for tests/test_netem.py: rendezvous over the emulated network, time an all-reduce of
+"""A rank for tests/netem/test_netem.py: rendezvous over the emulated network, time an all-reduce of
 SIZE_MB, train two pyreducer steps, and (rank 0) write the results as JSON to argv[1]."""
 import json
 import os

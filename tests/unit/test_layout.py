@@ -31,14 +31,14 @@ def _csrc_files():
                   glob.glob(os.path.join(REPO, "csrc", "**", f"*.{ext}"), recursive=True))
 
 
-def test_import_loads_the_library_only():
+def test_import_loads_the_library_only(tmp_path):
     code = ("import sys, json, pyreducer; "
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('pyreducer', "
             "'matplotlib')))))")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(PACKAGE))
     env.pop("PYREDUCER_TRACE", None)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, env=env)
+                            timeout=120, env=env, cwd=str(tmp_path))  # not the checkout's copy
     assert result.returncode == 0, result.stderr
     loaded = json.loads(result.stdout)
     assert "pyreducer.distributed" in loaded  # the check sees what was imported

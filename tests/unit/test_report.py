@@ -45,9 +45,9 @@ def test_without_matplotlib_the_report_says_how_to_get_plots(tmp_path, monkeypat
 def test_rank_files_merge_with_their_clock_offsets(tmp_path):
     offset = 123_456_789  # rank 1's clock runs this far ahead of rank 0's
     for rank, shift in ((0, 0), (1, offset)):
-        (tmp_path / f"rank{rank}.json").write_text(json.dumps(dict(
-            format="pyreducer.rank_trace", version=1, rank=rank, world_size=2,
-            clock_offset_ns=shift, timeline=[_record(rank, shift)], profile={"rank": rank})))
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(_rank_file(
+            rank, 2, clock_offset_ns=shift, timeline=[_record(rank, shift)],
+            profile={"rank": rank})))
     report.report_dir(tmp_path)
     merged = json.loads((tmp_path / "timeline.json").read_text())
     assert merged[0][0]["backward_start_ns"] == merged[1][0]["backward_start_ns"]
@@ -55,8 +55,24 @@ def test_rank_files_merge_with_their_clock_offsets(tmp_path):
     assert json.loads((tmp_path / "profile.json").read_text()) == {"rank": 0}
 
 
-def test_missing_ranks_are_named(tmp_path):
-    (tmp_path / "rank1.json").write_text(json.dumps(dict(
-        rank=1, world_size=3, clock_offset_ns=0, timeline=[], profile=None)))
-    with pytest.raises(InputError, match=r"ranks \[0, 2\] of 3 are missing"):
+def _rank_file(rank, world_size, run_id=7, **fields):
+    return dict(dict(format="pyreducer.rank_trace", version=1, rank=rank, global_rank=rank,
+                     world_size=world_size, run_id=run_id, clock_offset_ns=0, timeline=[],
+                     profile=None), **fields)
+
+
+@pytest.mark.parametrize("files,words", [
+    ({"rank1.json": _rank_file(1, 3)}, r"ranks \[0, 2\] of 3 are missing"),
+    ({"rank0.json": _rank_file(0, 2), "rank1.json": _rank_file(1, 2, run_id=8)},
+     "2 different runs"),
+    ({"rank0.json": _rank_file(0, 2), "rank2.json": _rank_file(0, 2, global_rank=2)},
+     "several process groups"),
+    ({"rank0.json": {"something": "else"}}, "not a pyreducer.rank_trace file"),
+    ({"rank0.json": "{not json"}, "not a rank file"),
+    ({"rank0.json": _rank_file(0, 1)}, "no recorded iteration"),
+])
+def test_unusable_rank_files_are_named(tmp_path, files, words):
+    for name, content in files.items():
+        (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(InputError, match=words):
         report.report_dir(tmp_path)

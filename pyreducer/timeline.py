@@ -88,7 +88,9 @@ def iteration_stats(record: dict) -> dict:
     hidden = _union_length(_clip(spans, start, end))
     last_done = max(done for _, done in spans)
     previous_done = buckets[-2]["done_ns"] if len(buckets) > 1 else 0
-    last_service = last_done - max(buckets[-1]["launch_ns"], previous_done)
+    # The last bucket's own done, not last_done: completion callbacks run on communication
+    # threads and can stamp an earlier bucket a little after the last one.
+    last_service = buckets[-1]["done_ns"] - max(buckets[-1]["launch_ns"], previous_done)
     return dict(
         iteration=record["iteration"], rank=record["rank"],
         backward_ms=(end - start) * ms,

@@ -33,10 +33,22 @@ void check_bucket_args(const at::Tensor& flat, const std::vector<at::Tensor>& gr
   }
 }
 
+namespace {
+// A 0-dim CPU tensor marked as a wrapped number: what ATen makes of a Python number operand, so
+// binary ops treat it as a CPU scalar on every device.
+at::Tensor wrapped_scalar(double value) {
+  at::Tensor scalar = c10::scalar_to_tensor(at::Scalar(value));
+  scalar.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return scalar;
+}
+}  // namespace
+
 void copy_scaled_into(at::Tensor& slot, const at::Tensor& grad, double scale) {
-  at::Tensor factor = c10::scalar_to_tensor(at::Scalar(scale));
-  factor.unsafeGetTensorImpl()->set_wrapped_number(true);
-  at::mul_out(slot, grad, factor);
+  at::mul_out(slot, grad, wrapped_scalar(scale));
+}
+
+void divide_into(at::Tensor& slot, const at::Tensor& grad, double divisor) {
+  at::div_out(slot, grad, wrapped_scalar(divisor));
 }
 
 void copy_out_of_slot(at::Tensor& grad, const at::Tensor& slot, const at::Tensor& param) {
@@ -76,7 +88,7 @@ void bucket_copy_in_cpu(at::Tensor& flat, const std::vector<at::Tensor>& grads,
           }
         } else {  // strided (e.g. channels-last): ATen walks the strides
           at::Tensor slot = flat.narrow(0, offsets[k], g.numel()).view(g.sizes());
-          at::div_out(slot, g, at::scalar_tensor(divisor, g.options().dtype(at::kDouble)));
+          divide_into(slot, g, divisor);
         }
       }
     });

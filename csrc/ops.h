@@ -16,6 +16,12 @@ namespace pyreducer {
 // Called from the autograd hook thread.
 void copy_scaled_into(at::Tensor& slot, const at::Tensor& grad, double scale);
 
+// Writes `grad / divisor` into `slot` (same shape; strides may differ), rounded exactly as ATen's
+// `grad / divisor` with a Python-number divisor on grad's device (see Note [Rounding of the
+// scaled copy] in cuda/scale.h): the divisor is a wrapped CPU scalar, never a device tensor (no
+// allocation or fill kernel per gradient). For the strided slots of the batched copy-in.
+void divide_into(at::Tensor& slot, const at::Tensor& grad, double divisor);
+
 // Writes the reduced `slot` back into `grad`; if `grad` is undefined, makes it a copy of `slot`
 // laid out like `param` (dense, same strides), as AccumulateGrad would have.
 void copy_out_of_slot(at::Tensor& grad, const at::Tensor& slot, const at::Tensor& param);

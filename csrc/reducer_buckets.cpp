@@ -74,7 +74,7 @@ void Reducer::copy_bucket_in(size_t b) {
       grads.push_back(grad);
       offsets.push_back(bucket.offsets[k]);
     } else {  // a channels-last (or otherwise strided) parameter: its view defines the layout
-      at::div_out(view, grad, at::scalar_tensor(divisor, grad.options().dtype(at::kDouble)));
+      divide_into(view, grad, divisor);
     }
   }
   bucket_copy_in(bucket.flat, grads, offsets, divisor);

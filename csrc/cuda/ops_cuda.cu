@@ -1,6 +1,7 @@
 // CUDA kernels for the bucket copy-in/copy-out and the scaled cast (see csrc/ops.h).
 // Lean headers on purpose: ATen + c10/cuda only (nvcc on torch/extension.h takes ~45 s).
-// Compiled here with nvcc 13.0 against torch 2.14.1 (CUDA build); not run on a GPU here.
+// Compiled with nvcc 13.0 against torch 2.14.1 (CUDA build) by make cuda-check; not run: no GPU
+// has run them yet.
 #include <cstdint>
 #include <vector>
 
@@ -13,43 +14,51 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "ops_cuda.h"
+#include "scale.h"
 
 namespace pyreducer {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxTensorsPerLaunch = 65535;  // gridDim.y limit
+// Elements one block handles (as ATen's multi_tensor_apply): the grid is sized by the total
+// work, ceil(numel / kChunkElements) blocks per tensor, so a bucket mixing one large and many
+// small gradients launches no empty blocks.
+constexpr int64_t kChunkElements = 64 * 1024;
 
-// One entry per gradient: where it lives, how long it is, where its slot starts.
-struct Chunk {
+// Per gradient: its slot's offset in the bucket and its length. Per block: which gradient and
+// which chunk of it. All metadata travels in one int64 buffer (see launch_multi_tensor).
+struct Slot {
   int64_t numel;
   int64_t offset;
 };
+struct Work {
+  int64_t tensor;
+  int64_t start;
+};
 
-// blockIdx.y selects the gradient; blocks along x stride over its elements.
 template <typename scalar_t, bool kCopyIn>
-__global__ void multi_tensor_copy(scalar_t* flat, scalar_t* const* tensors, const Chunk* chunks,
-                                  at::opmath_type<scalar_t> divisor) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  const Chunk chunk = chunks[blockIdx.y];
-  scalar_t* tensor = tensors[blockIdx.y];
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < chunk.numel;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+__global__ void multi_tensor_copy(scalar_t* flat, scalar_t* const* tensors, const Slot* slots,
+                                  const Work* works, ReciprocalScale<scalar_t> scale) {
+  const Work work = works[blockIdx.x];
+  const Slot slot = slots[work.tensor];
+  scalar_t* tensor = tensors[work.tensor];
+  const int64_t end = work.start + kChunkElements < slot.numel ? work.start + kChunkElements
+                                                               : slot.numel;
+  for (int64_t i = work.start + threadIdx.x; i < end; i += blockDim.x) {
     if (kCopyIn) {
-      flat[chunk.offset + i] = static_cast<scalar_t>(static_cast<opmath_t>(tensor[i]) / divisor);
+      flat[slot.offset + i] = scale.apply(tensor[i]);  // See Note [Rounding of the scaled copy]
     } else {
-      tensor[i] = flat[chunk.offset + i];
+      tensor[i] = flat[slot.offset + i];
     }
   }
 }
 
 template <typename in_t, typename out_t>
 __global__ void cast_scaled_kernel(const in_t* src, out_t* dst, int64_t numel,
-                                   at::opmath_type<in_t> divisor) {
-  using opmath_t = at::opmath_type<in_t>;
+                                   ReciprocalScale<in_t> scale) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < numel;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    dst[i] = static_cast<out_t>(static_cast<opmath_t>(src[i]) / divisor);
+    dst[i] = scale.template apply<out_t>(src[i]);
   }
 }
 
@@ -58,41 +67,44 @@ int blocks_for(int64_t numel) {
   return static_cast<int>(blocks < 1024 ? (blocks < 1 ? 1 : blocks) : 1024);
 }
 
-// Launches multi_tensor_copy over contiguous `tensors`, at most kMaxTensorsPerLaunch per launch
-// (so a bucket is one launch unless it holds more than 65535 gradients).
+// Launches multi_tensor_copy over contiguous `tensors` in one launch: one block per chunk of
+// kChunkElements of each tensor (empty tensors get none).
 template <bool kCopyIn>
 void launch_multi_tensor(const at::Tensor& flat, const std::vector<at::Tensor>& tensors,
                          const std::vector<int64_t>& offsets, double divisor) {
   if (tensors.empty()) return;
   const c10::cuda::CUDAGuard guard(flat.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t count = static_cast<int64_t>(tensors.size());
+  int64_t blocks = 0;
+  for (const at::Tensor& t : tensors) blocks += (t.numel() + kChunkElements - 1) / kChunkElements;
+  if (blocks == 0) return;
+  // Metadata: pointers, slots, works, in pinned host memory and one async copy to the device
+  // (the caching host allocator keeps the buffer alive until the copy has run).
+  at::Tensor host = at::empty({3 * count + 2 * blocks},
+                              at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* h = host.data_ptr<int64_t>();
+  int64_t* work = h + 3 * count;
+  for (int64_t k = 0; k < count; ++k) {
+    const at::Tensor& t = tensors[k];
+    h[k] = reinterpret_cast<int64_t>(t.data_ptr());
+    h[count + 2 * k] = t.numel();
+    h[count + 2 * k + 1] = offsets[k];
+    for (int64_t start = 0; start < t.numel(); start += kChunkElements) {
+      *work++ = k;
+      *work++ = start;
+    }
+  }
+  at::Tensor meta = at::empty({host.numel()}, flat.options().dtype(at::kLong));
+  meta.copy_(host, /*non_blocking=*/true);
+  const int64_t* device_meta = meta.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "multi_tensor_copy",
                                   [&] {
-    for (size_t first = 0; first < tensors.size(); first += kMaxTensorsPerLaunch) {
-      const size_t count = std::min<size_t>(kMaxTensorsPerLaunch, tensors.size() - first);
-      // Metadata: pointers then chunks, in pinned host memory, one async copy to the device
-      // (the caching host allocator keeps the buffer alive until the copy has run).
-      at::Tensor host = at::empty({static_cast<int64_t>(count * 3)},
-                                  at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-      int64_t* h = host.data_ptr<int64_t>();
-      int64_t max_numel = 1;
-      for (size_t k = 0; k < count; ++k) {
-        const at::Tensor& t = tensors[first + k];
-        h[k] = reinterpret_cast<int64_t>(t.data_ptr());
-        h[count + 2 * k] = t.numel();
-        h[count + 2 * k + 1] = offsets[first + k];
-        max_numel = std::max<int64_t>(max_numel, t.numel());
-      }
-      at::Tensor meta = at::empty({host.numel()}, flat.options().dtype(at::kLong));
-      meta.copy_(host, /*non_blocking=*/true);
-      auto* device_meta = meta.data_ptr<int64_t>();
-      dim3 grid(blocks_for(max_numel), static_cast<unsigned>(count));
-      multi_tensor_copy<scalar_t, kCopyIn><<<grid, kThreads, 0, stream>>>(
-          flat.data_ptr<scalar_t>(), reinterpret_cast<scalar_t* const*>(device_meta),
-          reinterpret_cast<const Chunk*>(device_meta + count),
-          static_cast<at::opmath_type<scalar_t>>(divisor));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+    multi_tensor_copy<scalar_t, kCopyIn><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        flat.data_ptr<scalar_t>(), reinterpret_cast<scalar_t* const*>(device_meta),
+        reinterpret_cast<const Slot*>(device_meta + count),
+        reinterpret_cast<const Work*>(device_meta + 3 * count), ReciprocalScale<scalar_t>(divisor));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -119,7 +131,7 @@ at::Tensor cast_scaled_cuda(const at::Tensor& src, at::ScalarType dtype, double 
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "cast_scaled_out", [&] {
       cast_scaled_kernel<in_t, scalar_t><<<blocks_for(in.numel()), kThreads, 0, stream>>>(
           in.data_ptr<in_t>(), out.data_ptr<scalar_t>(), in.numel(),
-          static_cast<at::opmath_type<in_t>>(divisor));
+          ReciprocalScale<in_t>(divisor));  // See Note [Rounding of the scaled copy]
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

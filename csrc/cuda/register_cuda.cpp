@@ -22,7 +22,7 @@ void copy_in_cuda(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef 
       fused_offsets.push_back(offsets[k]);
     } else {
       at::Tensor slot = flat.narrow(0, offsets[k], g.numel()).view(g.sizes());
-      at::div_out(slot, g, at::scalar_tensor(divisor, g.options().dtype(at::kDouble)));
+      divide_into(slot, g, divisor);  // See Note [Rounding of the scaled copy]
     }
   }
   at::Tensor out = flat;

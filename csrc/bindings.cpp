@@ -203,7 +203,7 @@ void bind_reducer(py::module_& m) {
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("note_unsynced_forward", &Reducer::note_unsynced_forward)
-      .def("complete_ready_order", &Reducer::complete_ready_order)
+      .def("shadow_backward", &Reducer::shadow_backward, py::call_guard<py::gil_scoped_release>())
       .def("apply_plan", &Reducer::apply_plan, py::arg("plan"))
       .def("rebuild_buckets", &Reducer::rebuild_buckets, py::call_guard<py::gil_scoped_release>())
       .def("bucket_layout", &bucket_layout)

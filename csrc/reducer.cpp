@@ -199,12 +199,36 @@ void Reducer::register_comm_hook(std::shared_ptr<CommHook> hook) {
   grad_scale_ = 1.0;  // the hook averages
 }
 
-void Reducer::complete_ready_order() {
+void Reducer::shadow_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!rebuild_pending_ || ready_order_complete_) return;
-  ready_order_.clear();
-  for (size_t i = 0; i < params_.size(); ++i) ready_order_.push_back(static_cast<int64_t>(i));
-  ready_order_complete_ = true;
+  if (armed_ || finalize_queued_) {
+    throw std::logic_error("pyreducer: shadow_backward called while a backward is pending");
+  }
+  num_iterations_ += 1;  // as the training ranks' synced forward counts it
+  const bool used_map = dynamic_find_unused() || static_first_iteration();
+  try {
+    at::NoGradGuard no_grad;
+    for (size_t b = 0; b < set_.buckets.size(); ++b) {
+      set_.buckets[b].flat.zero_();
+      launch_bucket(b);  // record_ is null: nothing is recorded
+    }
+    if (used_map) {
+      std::fill(locally_used_.begin(), locally_used_.end(), 0);
+      launch_used_map_allreduce();
+    }
+    for (size_t b = 0; b < set_.buckets.size(); ++b) wait_bucket(b);
+    if (used_map) wait_or_throw(used_map_work_, group_, "all-reduce of the used-parameter map");
+  } catch (...) {
+    reset_iteration();
+    throw;
+  }
+  reset_iteration();
+  // As finalize_backward: the order is taken when a training rank's backward would record it.
+  if (rebuild_pending_ && !ready_order_complete_ && !static_first_iteration()) {
+    ready_order_.clear();
+    for (size_t i = 0; i < params_.size(); ++i) ready_order_.push_back(static_cast<int64_t>(i));
+    ready_order_complete_ = true;
+  }
 }
 
 void Reducer::note_unsynced_forward() {

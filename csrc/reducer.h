@@ -104,9 +104,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // iteration, and once. Python thread.
   void register_comm_hook(std::shared_ptr<CommHook> hook);
 
-  // For a rank that shadows backward passes under join(): if no ready order was recorded yet,
-  // takes parameter order, so this rank joins the next rebuild as the others do. Python thread.
-  void complete_ready_order();
+  // For a rank that has joined (join.py: out of data while others train): issues exactly the
+  // collectives of one synced backward of the training ranks, with zeroed buckets (this rank
+  // contributes nothing): each bucket's all-reduce, or the communication hook on it when one is
+  // registered (so dtypes and collective counts match: torch DDP also runs the hook on zeroed
+  // buckets), then the used-map all-reduce where the training ranks issue one. Waits for them;
+  // param.grad is left untouched. If no ready order was recorded yet, takes parameter order, so
+  // this rank joins the next rebuild as the others do. Python thread, between iterations.
+  void shadow_backward();
 
   // Records that a forward ran without arming (no_sync or grad disabled). Python thread.
   void note_unsynced_forward();

@@ -109,7 +109,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _sync_at_construction(self, with_buffers: bool) -> None:
         """As torch DDP: the same model on every rank (checked), then rank 0's state on all."""
         sync.verify_same_model(list(zip(self._params.names, self._params.tensors)),
-                               self.process_group)
+                               self.process_group, self._params.device)
         sync.broadcast_coalesced(self._params.states(with_buffers), self.process_group)
 
     def _build_reducer(self, bucket_plan, caps_per_bucket: bool, batched_grad_copy: bool,
@@ -129,7 +129,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         options.rebuild_caps_bytes = self.bucket_caps_bytes
         if bucket_plan is not None:
             plan = bucketing.plan_from_names(bucket_plan, params.names)
-            sync.verify_same_plan(plan, self.process_group)
+            sync.verify_same_plan(plan, self.process_group, params.device)
         else:
             plan = bucketing.initial_plan(params.sizes_bytes, params.group_keys,
                                           self.bucket_caps_bytes,
@@ -164,7 +164,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 vote_backward_sync(self._params, self.require_backward_grad_sync, joined=False)
             if self.device_ids:
                 device = torch.device(self._params.device.type, self.device_ids[0])
-                inputs, kwargs = _to_device(inputs, device), _to_device(kwargs, device)
+                inputs, kwargs = nested.to_device(inputs, device), nested.to_device(kwargs, device)
             output = self.module(*inputs, **kwargs)
             if torch.is_grad_enabled() and self.require_backward_grad_sync:
                 self.require_forward_param_sync = True
@@ -314,7 +314,3 @@ def _autotune_request(bucket_cap_mb):
     if bucket_cap_mb == "auto":
         return AutotuneConfig(), None
     return None, bucket_cap_mb
-
-
-def _to_device(obj, device):
-    return nested.map_tensors(obj, lambda t: t.to(device, non_blocking=True))

@@ -2,10 +2,11 @@
 
 Ranks that run out of data "join": until every rank has, each joined rank shadows, in the same
 order, every collective that a training rank issues per iteration (join notification, bucket
-rebuild, buffer broadcast, the "does backward sync" vote, one all-reduce of zeros per bucket,
-and the used-parameter map). Joined ranks contribute zero gradients; gradients are divided by
-the initial world size, as DDP's default. At the end the last rank to join broadcasts its
-model to all.
+rebuild, buffer broadcast, the "does backward sync" vote, then the Reducer's shadow_backward:
+each bucket zeroed and reduced as the training ranks reduce it, through the communication hook
+if one is registered, and the used-parameter map where they all-reduce one). Joined ranks
+contribute zero gradients; gradients are divided by the initial world size, as DDP's default.
+At the end the last rank to join broadcasts its model to all.
 """
 from __future__ import annotations
 
@@ -37,30 +38,13 @@ class ReducerJoinHook(JoinHook):
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
             return
-        works = [dist.all_reduce(torch.zeros(numel, dtype=dtype, device=device),
-                                 group=params.process_group, async_op=True)
-                 for numel, dtype, device in bucket_shapes(params, ddp.reducer)]
-        for work in works:
-            work.wait()
-        if ddp.find_unused_parameters and not ddp.static_graph:
-            used = torch.zeros(len(params), dtype=torch.int32, device=params.device)
-            dist.all_reduce(used, group=params.process_group)
-        ddp.reducer.complete_ready_order()  # a shadowed backward counts for the rebuild
+        ddp.reducer.shadow_backward()  # the buckets (through the comm hook), the used map
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """The last rank to join holds the authoritative model: broadcast it to all."""
         src = find_common_rank(self.params, is_last_joiner)
         sync.broadcast_coalesced(self.params.states(with_buffers=self.ddp.forward_sync_buffers),
                                  self.params.process_group, src=src)
-
-
-def bucket_shapes(params, reducer) -> list[tuple[int, torch.dtype, torch.device]]:
-    """(elements, dtype, device) of every bucket of `reducer`, in launch order."""
-    shapes = []
-    for bucket in reducer.bucket_layout():
-        first = params.tensors[bucket["param_indices"][0]]
-        shapes.append((bucket["size_bytes"] // first.element_size(), first.dtype, first.device))
-    return shapes
 
 
 def vote_backward_sync(params, will_sync: bool, joined: bool) -> bool | None:

@@ -1,6 +1,8 @@
 """Construction-time and forward-time agreement between ranks: same model, same starting state."""
 from __future__ import annotations
 
+import pickle
+
 import torch
 import torch.distributed as dist
 
@@ -9,21 +11,87 @@ from pyreducer._ext import _C
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # as torch DDP
 
 
-def _describe(meta):
-    name, shape, dtype = meta
-    return f"{name} {tuple(shape)} {dtype}"
+# Object collectives of our own: torch's all_gather_object/broadcast_object_list put the bytes
+# on torch.cuda.current_device() for an NCCL group, which is cuda:0 on every rank of a script
+# that never calls set_device (valid with torch DDP, which uses the parameters' device): NCCL
+# then fails with "Duplicate GPU" or hangs. These take the device explicitly.
 
 
-def verify_same_model(named_params: list[tuple[str, torch.Tensor]], group) -> None:
+def all_gather_object(obj, group, device) -> list:
+    """Every rank's picklable `obj`, in group-rank order (collective; bytes travel on `device`)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data.to(device)
+    gathered = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(gathered, padded, group=group)
+    return [pickle.loads(g[:n].cpu().numpy().tobytes()) for g, n in zip(gathered, lengths)]
+
+
+def broadcast_object(obj, group, device, src: int = 0):
+    """Group rank `src`'s picklable `obj` on every rank (collective; bytes travel on `device`)."""
+    group = dist.group.WORLD if group is None else group
+    global_src = dist.get_global_rank(group, src)
+    is_src = dist.get_rank(group) == src
+    payload = pickle.dumps(obj) if is_src else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, global_src, group=group)
+    if is_src:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, global_src, group=group)
+    return obj if is_src else pickle.loads(data.cpu().numpy().tobytes())
+
+
+def from_rank0(obj, group, device):
+    """Rank 0's `obj` (any picklable value) on every rank of `group`; collective."""
+    return broadcast_object(obj, group, device, src=0)
+
+
+def wait_for_device(device) -> None:
+    """Blocks the host until `device` has run all its queued work (nothing to wait for on CPU).
+    On CUDA a collective returns once it is enqueued: host clocks read without this time the
+    enqueueing, not the communication."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def barrier(group, device) -> None:
+    """Every rank of `group` has reached this point and its device is idle (collective on
+    `device`; dist.barrier would pick torch.cuda.current_device() for an NCCL group)."""
+    flag = torch.zeros(1, device=device)
+    dist.all_reduce(flag, group=group)
+    wait_for_device(device)
+
+
+def slowest(seconds: float, group=None, device="cpu") -> float:
+    """The largest of every rank's `seconds` (collective): a step is as slow as its slowest rank.
+    `device`: the parameters' device (an NCCL group takes CUDA tensors only)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def _describe(meta) -> str:
+    name, shape, dtype, strides = meta
+    return f"{name} {tuple(shape)} {dtype} strides {tuple(strides)}"
+
+
+def verify_same_model(named_params: list[tuple[str, torch.Tensor]], group, device) -> None:
     """Raises ValueError on every rank unless all ranks hold the same parameters.
 
-    Compares, in order, every reduced parameter's name, shape and dtype with rank 0's; the error
-    names the first difference and the ranks involved. All ranks receive the same data, so they
-    all raise together (no rank is left waiting).
+    Compares, in order, every reduced parameter's name, shape, dtype and strides with rank 0's
+    (as torch DDP compares sizes and strides: a parameter that is channels_last on one rank only
+    would make the bucket views pair different elements); the error names the first difference
+    and the ranks involved. All ranks receive the same data, so they all raise together (no
+    rank is left waiting).
     """
-    local = [(name, tuple(p.shape), str(p.dtype)) for name, p in named_params]
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, local, group=group)
+    local = [(name, tuple(p.shape), str(p.dtype), tuple(p.stride())) for name, p in named_params]
+    gathered = all_gather_object(local, group, device)
     reference = gathered[0]
     for rank, metas in enumerate(gathered[1:], start=1):
         if len(metas) != len(reference):
@@ -32,17 +100,18 @@ def verify_same_model(named_params: list[tuple[str, torch.Tensor]], group) -> No
                 f"rank 0 has {len(reference)} parameters that require grad, rank {rank} has "
                 f"{len(metas)}.")
         for index, (mine, theirs) in enumerate(zip(reference, metas)):
-            if mine[1:] != theirs[1:] or mine[0] != theirs[0]:
+            if mine != theirs:
+                layout = " (a different memory format, e.g. channels_last on one rank only)" \
+                    if mine[:3] == theirs[:3] else ""
                 raise ValueError(
                     "pyreducer.DistributedDataParallel expects the same model on every rank: "
                     f"parameter #{index} is {_describe(mine)} on rank 0 but "
-                    f"{_describe(theirs)} on rank {rank}.")
+                    f"{_describe(theirs)} on rank {rank}{layout}.")
 
 
-def verify_same_plan(plan: list[list[int]], group) -> None:
+def verify_same_plan(plan: list[list[int]], group, device) -> None:
     """Raises ValueError on every rank unless all ranks were given the same bucket plan."""
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, plan, group=group)
+    gathered = all_gather_object(plan, group, device)
     for rank, theirs in enumerate(gathered[1:], start=1):
         if theirs != gathered[0]:
             first = next((b for b, (x, y) in enumerate(zip(gathered[0], theirs)) if x != y),
@@ -50,24 +119,6 @@ def verify_same_plan(plan: list[list[int]], group) -> None:
             raise ValueError(f"bucket_plan differs between ranks: rank {rank} and rank 0 differ "
                              f"at bucket {first} (rank 0 has {len(gathered[0])} buckets, rank "
                              f"{rank} has {len(theirs)}); every rank must replay the same plan.")
-
-
-def slowest(seconds: float, group=None) -> float:
-    """The largest of every rank's `seconds` (collective): a step is as slow as its slowest rank.
-    On an NCCL-only group the scalar travels on the current CUDA device."""
-    device = "cpu"
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.item()
-
-
-def from_rank0(obj, group):
-    """Rank 0's `obj` (any picklable value) on every rank of `group`; collective."""
-    payload = [obj]
-    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
-    return payload[0]
 
 
 def sync_buffers(params, src: int) -> None:

@@ -22,6 +22,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from pyreducer.sync import all_gather_object, barrier
+
 CLOCK_ROUNDS = 7
 COMPUTE_TID, WAIT_TID, BUCKET_TID0 = 0, 1, 10
 
@@ -34,7 +36,7 @@ def clock_offsets_ns(group, device="cpu") -> list[int]:
     world = dist.get_world_size(group)
     samples: list[list[int]] = [[] for _ in range(world)]
     for _ in range(CLOCK_ROUNDS):
-        dist.barrier(group=group)
+        barrier(group, device)
         now = torch.tensor([_C.Reducer.now_ns()], dtype=torch.int64, device=device)
         gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
         dist.all_gather(gathered, now, group=group)
@@ -46,10 +48,9 @@ def clock_offsets_ns(group, device="cpu") -> list[int]:
 def gather_timelines(model, last: int) -> list[list[dict]] | None:
     """Every rank's timeline, clock-aligned to rank 0, on rank 0 (None elsewhere). Collective."""
     group = model.process_group
-    offsets = clock_offsets_ns(group, next(model.parameters()).device)
-    mine = model.timeline(last)
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    device = next(model.parameters()).device
+    offsets = clock_offsets_ns(group, device)
+    gathered = all_gather_object(model.timeline(last), group, device)
     if dist.get_rank(group) != 0:
         return None
     return [[shift_record(record, -offsets[rank]) for record in timeline]

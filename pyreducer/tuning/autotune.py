@@ -133,9 +133,11 @@ class AutoTuner:
         """Called at the start of every synced forward (grad enabled, sync on)."""
         if self.phase is Phase.DONE:
             return
+        sync.wait_for_device(self.tuning.params.device)  # on CUDA: time the work, not its enqueue
         now = time.perf_counter()
         if self.last_forward is not None and self.phase in MEASURED_PHASES:
-            self.samples.append(sync.slowest(now - self.last_forward, self.group))
+            self.samples.append(sync.slowest(now - self.last_forward, self.group,
+                                             self.tuning.params.device))
         self.synced += 1
         self._advance()
         # The step time is measured from here: time spent in the tuner itself is excluded.
@@ -195,7 +197,7 @@ class AutoTuner:
                 if all(plan != other for _, other, _ in candidates):
                     candidates.append((name, plan, predicted))
             candidates = candidates[:self.config.candidates]
-        candidates = sync.from_rank0(candidates, self.group)
+        candidates = sync.from_rank0(candidates, self.group, self.tuning.params.device)
         for name, plan, predicted in candidates:
             self._note("candidate", plan=name, buckets=len(plan), predicted_ms=predicted)
         return [(name, plan) for name, plan, _ in candidates]

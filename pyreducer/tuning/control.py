@@ -59,10 +59,11 @@ class BucketTuning:
                 link=dict(latency_s=link.latency_s,
                           bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
                           contention=link.contention))
-        return sync.from_rank0(result, self.params.process_group)
+        return sync.from_rank0(result, self.params.process_group, self.params.device)
 
     def apply_bucket_plan(self, plan) -> None:
         """See DistributedDataParallel.apply_bucket_plan."""
         if plan and plan[0] and isinstance(plan[0][0], str):
             plan = bucketing.plan_from_names(plan, self.params.names)
-        self.reducer.apply_plan(sync.from_rank0(plan, self.params.process_group))
+        self.reducer.apply_plan(sync.from_rank0(plan, self.params.process_group,
+                                                self.params.device))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pyreducer.sync import slowest
+from pyreducer.sync import barrier, slowest, wait_for_device
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,11 @@ def probe_link(group=None, sizes_bytes=(1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 <<
         dist.all_reduce(data, group=group)  # warm-up
         samples = []
         for _ in range(reps):
-            dist.barrier(group=group)
+            barrier(group, device)
             start = time.perf_counter()
             dist.all_reduce(data, group=group)
-            samples.append(slowest(time.perf_counter() - start, group))
+            wait_for_device(device)  # on CUDA the call returns at enqueue
+            samples.append(slowest(time.perf_counter() - start, group, device))
         medians[size] = statistics.median(samples)
     return fit_link_model(list(medians), list(medians.values()), ranks), medians
 
@@ -124,9 +125,9 @@ def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float =
     data = torch.ones(size_bytes // 4)
     alone, loaded = [], []
     for _ in range(reps):
-        dist.barrier(group=group)
+        barrier(group, "cpu")
         alone.append(slowest(kernel(count), group))
-        dist.barrier(group=group)
+        barrier(group, "cpu")
         work = dist.all_reduce(data, group=group, async_op=True)
         elapsed = kernel(count)
         work.wait()
@@ -136,7 +137,7 @@ def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float =
     small = [torch.ones(1024) for _ in range(small_ops)]
     latencies = []
     for _ in range(reps):
-        dist.barrier(group=group)
+        barrier(group, "cpu")
         start = time.perf_counter()
         works = [dist.all_reduce(t, group=group, async_op=True) for t in small]
         while not works[-1].is_completed() and time.perf_counter() - start < 2.0:

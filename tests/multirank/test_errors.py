@@ -26,6 +26,15 @@ def different_models_worker(rank, world_size):
     return _capture(lambda: DistributedDataParallel(model))
 
 
+def channels_last_on_one_rank_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    if rank == 1:
+        model = model.to(memory_format=torch.channels_last)  # same shapes, other strides
+    return _capture(lambda: DistributedDataParallel(model))
+
+
 def unused_parameter_worker(rank, world_size):
     from pyreducer import DistributedDataParallel
 
@@ -86,6 +95,18 @@ def test_different_models_named_at_construction():
         assert "ValueError" in r["error"] and "same model" in r["error"]
         assert "0.weight (8, 4)" in r["error"] and "0.weight (9, 4)" in r["error"]
         assert "rank 1" in r["error"]
+        assert r["seconds"] < 30
+
+
+def test_different_strides_named_at_construction():
+    """Bucket views follow each parameter's strides: one rank in channels_last would sum
+    different elements together, silently. torch DDP checks strides too."""
+    results = run_ranks(channels_last_on_one_rank_worker, 2, timeout_s=60)
+    for r in results:
+        assert r["error"] is not None and "ValueError" in r["error"]
+        assert "parameter #0 is 0.weight (8, 3, 3, 3) torch.float32 strides (27, 9, 3, 1) on " \
+               "rank 0" in r["error"]
+        assert "strides (27, 1, 9, 3) on rank 1" in r["error"] and "channels_last" in r["error"]
         assert r["seconds"] < 30
 
 

@@ -1,16 +1,55 @@
 """Uneven inputs: parity with torch DDP's join() when ranks have different numbers of batches
-(joined ranks shadow the others' collectives; the last joiner's model is broadcast at the end)."""
+(joined ranks shadow the others' collectives, communication hooks included; the last joiner's
+model is broadcast at the end)."""
 import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
 CASES = {
     "mlp": dict(model="mlp", ddp={}),
     "cnn_buffers": dict(model="cnn", ddp={}),
     "mlp_small_buckets": dict(model="mlp", ddp=dict(bucket_cap_mb=0.1)),
     "mlp_find_unused": dict(model="mlp", ddp=dict(find_unused_parameters=True)),
+    "mlp_static_graph": dict(model="mlp", ddp=dict(static_graph=True, bucket_cap_mb=0.1)),
+    # Hooks: the joined rank must issue what the hook issues (a float16 all-reduce; PowerSGD's
+    # several collectives per bucket), not one all-reduce in the bucket's dtype.
+    "mlp_fp16_hook": dict(model="mlp", ddp=dict(bucket_cap_mb=0.1), hook="fp16"),
+    "mlp_powersgd_hook": dict(model="mlp", ddp=dict(bucket_cap_mb=1000), hook="powerSGD"),
+    # pyreducer's built-in C++ fp16 hook, against the same arithmetic as a torch Python hook.
+    "mlp_builtin_fp16": dict(model="mlp", ddp=dict(bucket_cap_mb=0.1), hook="builtin_fp16"),
 }
+
+
+def _divide_then_fp16_hook(state, bucket):
+    """The arithmetic of pyreducer's built-in fp16 hook as a torch DDP hook: divide by the world
+    size in the bucket's precision, cast, all-reduce, cast back."""
+    buffer = bucket.buffer()
+    compressed = buffer.div(dist.get_world_size()).to(torch.float16)
+    future = dist.all_reduce(compressed, async_op=True).get_future()
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+def _register_hook(model, name, ours):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "powerSGD":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2, random_seed=0)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif name == "builtin_fp16":
+        if ours:
+            model.register_builtin_hook("fp16")
+        else:
+            model.register_comm_hook(None, _divide_then_fp16_hook)
 
 
 def _batches(rank):
@@ -22,6 +61,8 @@ def _train(cls, base, case, rank):
 
     spec = models.spec(case["model"])
     model = cls(copy.deepcopy(base), **case["ddp"])
+    if "hook" in case:
+        _register_hook(model, case["hook"], ours=cls.__module__.startswith("pyreducer"))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(50 + rank)
     with model.join():

@@ -61,3 +61,29 @@ def test_replace_round_trips_and_checks_the_count():
 def test_leaves_come_back_unchanged():
     for leaf in (None, 3, "text", Output):  # a dataclass type is a leaf, not an instance
         assert nested.map_tensors(leaf, lambda t: t) is leaf
+
+
+def test_packed_sequences_move_whole_with_batch_sizes_on_the_cpu():
+    """As torch DDP moves inputs: PackedSequence.to(), never its fields one by one (an RNN
+    rejects batch_sizes off the CPU). 'meta' stands in for a GPU here."""
+    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+    packed = pack_padded_sequence(torch.randn(3, 4, 2), torch.tensor([4, 2, 1]),
+                                  batch_first=True, enforce_sorted=False)
+    moved = nested.to_device({"x": packed, "mask": torch.ones(3)}, torch.device("meta"))
+    assert isinstance(moved["x"], PackedSequence)
+    assert moved["x"].data.device.type == "meta" and moved["mask"].device.type == "meta"
+    assert moved["x"].batch_sizes.device.type == "cpu"
+    assert torch.equal(moved["x"].batch_sizes, packed.batch_sizes)
+    assert nested.to_device(packed, torch.device("cpu")) is packed  # already there: no copy
+
+
+def test_outputs_walk_into_packed_sequences():
+    """Forward outputs: a PackedSequence's data is a tensor like any other (for the sink node)."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    packed = pack_padded_sequence(torch.randn(2, 3, 2), torch.tensor([3, 1]), batch_first=True)
+    found = nested.tensors((packed,))
+    assert found[0] is packed.data and len(found) == 2  # data, batch_sizes (indices are None)
+    rebuilt = nested.replace_tensors((packed,), [packed.data * 2, packed.batch_sizes])
+    assert type(rebuilt[0]) is type(packed) and torch.equal(rebuilt[0].data, packed.data * 2)

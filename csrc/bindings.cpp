@@ -96,45 +96,48 @@ class PythonCommHook : public CommHook {
   std::string name_;
 };
 
-// Completed iteration records as plain Python data (see Note [Timeline]); times in ns on the
-// monotonic clock, 0 where an event did not happen.
+// One iteration's event times as a dict (names as in pyreducer/timeline.py).
+py::dict event_times(const EventTimes& t, const std::vector<std::vector<int64_t>>& plan) {
+  py::dict entry;
+  entry["backward_start_ns"] = t.backward_start_ns;
+  entry["backward_end_ns"] = t.backward_end_ns;
+  entry["wait_start_ns"] = t.wait_start_ns;
+  entry["wait_end_ns"] = t.wait_end_ns;
+  entry["finalize_end_ns"] = t.finalize_end_ns;
+  entry["grad_ready_ns"] = t.grad_ready_ns;
+  py::list buckets;
+  for (size_t b = 0; b < t.bucket_ready_ns.size(); ++b) {
+    py::dict bucket;
+    bucket["param_indices"] = plan.at(b);
+    bucket["ready_ns"] = t.bucket_ready_ns[b];
+    bucket["launch_ns"] = t.bucket_launch_ns[b];
+    bucket["done_ns"] = t.bucket_done_ns[b];
+    buckets.append(bucket);
+  }
+  entry["buckets"] = buckets;
+  return entry;
+}
+
+// Completed iteration records as plain Python data (see Note [Timeline]); times in ns, 0 where
+// an event did not happen. "clock" says whose clock: "host", or "device" (Note [Device
+// timeline]), which then also gives the host times under "host". The C++ read-out, which may
+// wait for device events, runs without the GIL.
 py::list timeline_records(const Reducer& reducer, size_t last) {
-  return reducer.with_timeline(last, [](const std::vector<const IterationRecord*>& records,
-                                        const auto& plans, DeviceTimeline* device) {
-    py::list result;
-    for (const IterationRecord* r : records) {
-      py::dict entry;
-      entry["iteration"] = r->iteration;
-      entry["plan_version"] = r->plan_version;
-      entry["backward_start_ns"] = r->backward_start_ns;
-      entry["backward_end_ns"] = r->backward_end_ns;
-      entry["wait_start_ns"] = r->wait_start_ns;
-      entry["wait_end_ns"] = r->wait_end_ns;
-      entry["finalize_end_ns"] = r->finalize_end_ns;
-      entry["grad_ready_ns"] = r->grad_ready_ns;
-      py::list buckets;
-      const auto& plan = plans.at(static_cast<size_t>(r->plan_version));
-      for (size_t b = 0; b < r->num_buckets; ++b) {
-        py::dict bucket;
-        bucket["param_indices"] = plan.at(b);
-        bucket["ready_ns"] = r->bucket_ready_ns[b];
-        bucket["launch_ns"] = r->bucket_launch_ns[b];
-        bucket["done_ns"] = r->bucket_done_ns[b].load(std::memory_order_acquire);
-        buckets.append(bucket);
-      }
-      entry["buckets"] = buckets;
-      if (device != nullptr) {  // CUDA builds on GPU: compiled, not run here
-        DeviceTimes times = device->read(r->slot, r->num_buckets);
-        py::dict d;
-        d["bucket_ready_ms"] = times.bucket_ready_ms;
-        d["bucket_done_ms"] = times.bucket_done_ms;
-        d["end_ms"] = times.end_ms;
-        entry["device"] = d;
-      }
-      result.append(entry);
-    }
-    return result;
-  });
+  std::vector<IterationTimes> records;
+  {
+    py::gil_scoped_release no_gil;
+    records = reducer.timeline(last);
+  }
+  py::list result;
+  for (const IterationTimes& r : records) {
+    py::dict entry = event_times(r.times, r.plan);
+    entry["iteration"] = r.iteration;
+    entry["plan_version"] = r.plan_version;
+    entry["clock"] = r.device_clock ? "device" : "host";
+    if (r.device_clock) entry["host"] = event_times(r.host, r.plan);
+    result.append(entry);
+  }
+  return result;
 }
 
 // The planner and the build's constants (csrc/bucketing.h, csrc/bucket.h).

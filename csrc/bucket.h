@@ -1,4 +1,16 @@
 // Bucket storage: flat buffers and the per-parameter slot views into them.
+//
+// Note [Streams of a bucket]
+// On a GPU, a gradient is copied into its slot on the stream its AccumulateGrad node ran on
+// (autograd sets it current for the hook). The bucket is launched from whichever hook completes
+// the next bucket in order, so possibly from another thread and stream (multi-device modules,
+// backward on side streams), and the batched copy reads all of a bucket's gradients on the last
+// one's stream. ProcessGroupNCCL orders a collective only after the launching thread's current
+// stream. So each bucket notes the distinct streams its gradients were copied (or produced) on,
+// and before the batched copy or the launch the current stream waits for the others: an event
+// recorded on each such stream at that moment covers everything enqueued there before, the
+// copies included (they happened before, under the Reducer's lock). One stream, the usual case,
+// costs nothing. torch DDP leaves this as a TODO. Compiled, not run: no GPU has run this yet.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +19,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/Stream.h>
 
 #include "comm.h"
 
@@ -21,6 +34,7 @@ struct Bucket {
   size_t pending = 0;                  // slots not yet filled this iteration
   WorkPtr work;                        // in-flight all-reduce (no hook), null when not launched
   c10::intrusive_ptr<c10::ivalue::Future> future;  // in-flight hook result (with a hook)
+  std::vector<c10::Stream> copy_streams;  // see Note [Streams of a bucket]
 };
 
 struct SlotLocation {

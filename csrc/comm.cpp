@@ -39,14 +39,16 @@ WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
   return work;
 }
 
-void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values, int64_t root) {
-  at::Tensor tensor = at::tensor(values, at::TensorOptions().dtype(at::kLong));
-  std::vector<at::Tensor> tensors{tensor};
+void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values, int64_t root,
+                      c10::Device device) {
+  const at::Tensor host = at::tensor(values, at::TensorOptions().dtype(at::kLong));
+  std::vector<at::Tensor> tensors{host.to(device)};  // a copy only off the CPU
   c10d::BroadcastOptions options;
   options.rootRank = root;
   wait_or_throw(group->broadcast(tensors, options), group, "broadcast of the bucket order");
-  const int64_t* data = tensor.data_ptr<int64_t>();
-  values.assign(data, data + tensor.numel());
+  const at::Tensor result = tensors.front().to(at::kCPU);  // blocking: the broadcast is done
+  const int64_t* data = result.const_data_ptr<int64_t>();
+  values.assign(data, data + result.numel());
 }
 
 void wait_or_throw(const WorkPtr& work, const ProcessGroupPtr& group, const std::string& what) {

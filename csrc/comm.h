@@ -24,9 +24,12 @@ WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
                             std::atomic<int64_t>* done_ns = nullptr,
                             const std::function<std::string()>& label = {});
 
-// Overwrites `values` on every rank with rank `root`'s (same length on every rank). Blocking,
+// Overwrites `values` on every rank with rank `root`'s (same length on every rank). The values
+// travel on `device`, the parameters' (an NCCL group broadcasts device tensors only), and are
+// read back with a blocking copy: on NCCL, wait() only makes the current stream wait. Blocking,
 // bounded by the process group's timeout. Python thread.
-void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values, int64_t root);
+void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values, int64_t root,
+                      c10::Device device);
 
 // Blocks until `work` completes. The wait is bounded by the process group's timeout; on failure
 // it throws std::runtime_error whose message starts with `what` (e.g. "all-reduce of bucket 3")

@@ -98,7 +98,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
   for (const at::Tensor& p : params_) one_device = one_device && p.device() == params_[0].device();
   if (one_device) {
     device_timeline_ = make_device_timeline(params_[0].device(), options_.timeline_iterations,
-                                            params_.size());
+                                            params_.size());  // null on CPU
   }
   ready_order_.reserve(params_.size());
   if (!params_.empty()) {
@@ -246,7 +246,7 @@ void Reducer::begin_backward() {
   backward_started_ = true;
   record_ = timeline_.begin(num_iterations_, static_cast<int64_t>(plan_history_.size()) - 1,
                             set_.buckets.size(), Timeline::now_ns());
-  if (record_ && device_timeline_) device_timeline_->begin(record_->slot);
+  if (DeviceTimeline* device = device_recording()) device->begin(record_->slot);
   if (!finalize_queued_) {
     torch::autograd::Engine::get_default_engine().queue_callback(
         [reducer = weak_from_this()] {
@@ -340,12 +340,14 @@ void Reducer::mark_ready(size_t index) {
       if (options_.gradient_as_bucket_view) grad = slot;
     }
   }
+  note_copy_stream(bucket);  // See Note [Streams of a bucket]
+  if (DeviceTimeline* device = device_recording()) device->grad_ready(record_->slot, index);
   bucket.pending -= 1;
   if (bucket.pending == 0) {
     if (options_.batched_grad_copy) copy_bucket_in(location.bucket);
-    if (record_) {
-      record_->bucket_ready_ns[location.bucket] = Timeline::now_ns();
-      if (device_timeline_) device_timeline_->bucket_ready(record_->slot, location.bucket);
+    if (record_) record_->bucket_ready_ns[location.bucket] = Timeline::now_ns();
+    if (DeviceTimeline* device = device_recording()) {
+      device->bucket_ready(record_->slot, location.bucket);
     }
     if (location.bucket == next_bucket_) launch_ready_buckets();
   }
@@ -366,6 +368,7 @@ std::string Reducer::describe_unready(size_t max_names) const {
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (record_) record_->backward_end_ns = Timeline::now_ns();
+  if (DeviceTimeline* device = device_recording()) device->backward_end(record_->slot);
   if (static_first_iteration()) {
     // See Note [Unused parameters]: reduce everything now, in parameter order.
     unused_.clear();
@@ -397,7 +400,7 @@ void Reducer::finalize_backward() {
   if (record_) {
     record_->finalize_end_ns = Timeline::now_ns();
     record_->complete = true;
-    if (device_timeline_) device_timeline_->end(record_->slot);
+    if (device_timeline_) device_timeline_->end(record_->slot);  // See Note [Device timeline]
   }
   reset_iteration();
 }
@@ -416,6 +419,7 @@ void Reducer::reset_iteration() {
     bucket.pending = bucket.param_indices.size();
     bucket.work.reset();
     bucket.future.reset();
+    bucket.copy_streams.clear();
   }
 }
 

@@ -47,6 +47,7 @@
 #include "bucketing.h"
 #include "comm.h"
 #include "comm_hook.h"
+#include "device_timeline.h"
 #include "timeline.h"
 
 namespace torch::autograd {
@@ -136,14 +137,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t world_size() const { return world_size_; }
   bool armed() const;
 
-  // Calls fn(records, plan_history, device_timeline) under the Reducer's lock: the last `last`
-  // completed iteration records, oldest first, every bucket plan so far (index =
-  // plan_version), and the device-side timeline (null without one).
-  template <typename Fn>
-  auto with_timeline(size_t last, Fn&& fn) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return fn(timeline_.completed(last), plan_history_, device_timeline_.get());
-  }
+  // The last `last` completed iterations, oldest first (see Note [Timeline]). With a device
+  // timeline, their times are the device's (see Note [Device timeline]): reading them waits for
+  // the slots' events, outside the Reducer's lock; an iteration whose slot is reused meanwhile
+  // keeps its host times. Python thread (without the GIL).
+  std::vector<IterationTimes> timeline(size_t last) const;
 
  private:
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_names,
@@ -160,12 +158,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void launch_bucket(size_t b);
   void copy_bucket_in(size_t b);  // batched_grad_copy: the whole bucket at once
   void launch_used_map_allreduce();
+  bool all_locally_used() const;
   void wait_and_copy_out();
   void wait_bucket(size_t b);      // its result is in bucket.flat afterwards
   void copy_out_bucket(size_t b);  // bucket.flat into param.grad (see Note [Reducer iteration])
   void adopt_grads_into_buckets();
   void install_plan(const std::vector<std::vector<int64_t>>& plan);  // rebuild or apply_plan
   void reset_iteration();
+  // See Note [Streams of a bucket].
+  void note_copy_stream(Bucket& bucket);
+  void wait_for_copy_streams(Bucket& bucket);
+  // The device timeline while an iteration is being recorded, else null.
+  DeviceTimeline* device_recording() const { return record_ ? device_timeline_.get() : nullptr; }
   std::string describe_unready(size_t max_names) const;
   void check_gradient(size_t index, const at::Tensor& grad, const at::Tensor& slot) const;
   [[noreturn]] void fail(const std::string& message);  // resets the iteration, then throws

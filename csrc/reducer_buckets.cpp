@@ -2,10 +2,13 @@
 // The iteration state machine that calls these lives in reducer.cpp (see Note [Reducer iteration]).
 #include "reducer.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "bucketing.h"
 #include "ops.h"
@@ -45,7 +48,7 @@ bool Reducer::rebuild_buckets() {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!seen[i]) ready_order_.push_back(static_cast<int64_t>(i));
   }
-  broadcast_int64s(group_, ready_order_, /*root=*/0);
+  broadcast_int64s(group_, ready_order_, /*root=*/0, params_[0].device());
   std::vector<ParamSpec> specs(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     specs[i] = ParamSpec{size_bytes(params_[i]), group_key(params_[i])};
@@ -58,8 +61,33 @@ bool Reducer::rebuild_buckets() {
   return true;
 }
 
+void Reducer::note_copy_stream(Bucket& bucket) {
+  const c10::Device device = bucket.flat.device();
+  if (device.is_cpu()) return;  // CPU work is ordered by the hooks' own order
+  const c10::Stream current = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+  if (std::find(bucket.copy_streams.begin(), bucket.copy_streams.end(), current) ==
+      bucket.copy_streams.end()) {
+    bucket.copy_streams.push_back(current);
+  }
+}
+
+void Reducer::wait_for_copy_streams(Bucket& bucket) {
+  if (bucket.copy_streams.empty()) return;
+  const c10::Device device = bucket.flat.device();
+  const c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::Stream current = impl.getStream(device);
+  for (const c10::Stream& stream : bucket.copy_streams) {
+    if (stream == current) continue;
+    c10::Event copied(device.type());
+    copied.record(stream);  // everything enqueued on `stream` so far, the copies included
+    copied.block(current);
+  }
+  bucket.copy_streams.assign(1, current);  // the current stream now follows all of them
+}
+
 void Reducer::copy_bucket_in(size_t b) {
   Bucket& bucket = set_.buckets[b];
+  wait_for_copy_streams(bucket);  // gradients produced on other streams are complete first
   const double divisor = comm_hook_ ? 1.0 : static_cast<double>(world_size_);
   std::vector<at::Tensor> grads;
   std::vector<int64_t> offsets;
@@ -96,15 +124,22 @@ void Reducer::launch_ready_buckets() {
 
 void Reducer::launch_bucket(size_t b) {
   Bucket& bucket = set_.buckets[b];
+  wait_for_copy_streams(bucket);  // See Note [Streams of a bucket]
+  DeviceTimeline* device = device_recording();
   std::atomic<int64_t>* done = nullptr;
   if (record_) {
     record_->bucket_launch_ns[b] = Timeline::now_ns();
     done = &record_->bucket_done_ns[b];
+    if (device) device->bucket_launch(record_->slot, b);
   }
   if (!comm_hook_) {
+    // On CUDA the profiler range ends when the work's future completes, which ProcessGroupNCCL
+    // does at enqueue: there it marks the launch; the NCCL kernel itself is on the profiler's
+    // CUDA timeline, and the device timeline has the bucket's real communication time.
     bucket.work = allreduce_sum_async(group_, bucket.flat, done, [b] {
       return "pyreducer.allreduce.bucket_" + std::to_string(b);
     });
+    if (device) device->bucket_done(record_->slot, b, bucket.work->getFuture());
     return;
   }
   GradBucketView view;
@@ -119,30 +154,59 @@ void Reducer::launch_bucket(size_t b) {
       done->store(Timeline::now_ns(), std::memory_order_release);
     });
   }
+  if (device) device->bucket_done(record_->slot, b, bucket.future);
 }
 
 void Reducer::launch_used_map_allreduce() {
   at::NoGradGuard no_grad;
-  used_map_.copy_(at::tensor(locally_used_, at::TensorOptions().dtype(at::kInt)));
+  const at::Tensor local = at::from_blob(locally_used_.data(),
+                                         {static_cast<int64_t>(locally_used_.size())},
+                                         at::TensorOptions().dtype(at::kInt));
+  if (used_map_.is_cpu()) {
+    used_map_.copy_(local);
+  } else {
+    // As torch DDP: an asynchronous copy from a pinned temporary, not a blocking copy from
+    // pageable memory (which would stall this autograd thread under the lock). Staged, because
+    // the copy runs in stream order and the host rewrites locally_used_ before the next backward.
+    at::Tensor staged = at::empty(local.sizes(), local.options().pinned_memory(true));
+    staged.copy_(local);
+    used_map_.copy_(staged, /*non_blocking=*/true);
+  }
   used_map_work_ = allreduce_sum_async(group_, used_map_);
+}
+
+bool Reducer::all_locally_used() const {
+  return std::all_of(locally_used_.begin(), locally_used_.end(), [](int32_t u) { return u != 0; });
 }
 
 void Reducer::wait_and_copy_out() {
   // Bucket b is written back while buckets b+1.. are still in flight (as torch DDP does), except
-  // with find_unused_parameters: which parameters keep their .grad is known only from the
-  // used-map all-reduce, launched after the last bucket.
-  const bool copy_as_done = !used_map_work_;
+  // with a used-map all-reduce in flight and some parameter unused on this rank: whether it keeps
+  // its .grad is known only from the map, launched after the last bucket. A parameter used here
+  // is used globally, so when all are, the map is not needed (nor read back to the host).
+  const bool need_used_map = used_map_work_ && !all_locally_used();
+  if (used_map_work_ && !need_used_map) {
+    std::fill(globally_unused_.begin(), globally_unused_.end(), 0);
+  }
+  const bool copy_as_done = !need_used_map;
+  DeviceTimeline* device = device_recording();
   if (record_) record_->wait_start_ns = Timeline::now_ns();
+  if (device) device->wait_start(record_->slot);
   for (size_t b = 0; b < set_.buckets.size(); ++b) {
     wait_bucket(b);
     if (copy_as_done) copy_out_bucket(b);
   }
   if (record_) record_->wait_end_ns = Timeline::now_ns();
+  if (device) device->wait_end(record_->slot);
+  if (used_map_work_) {
+    // Also when the map is not needed: the next iteration's copy into used_map_ must follow
+    // this all-reduce (on NCCL this orders streams; the host does not wait).
+    wait_or_throw(used_map_work_, group_, "all-reduce of the used-parameter map");
+    used_map_work_.reset();
+  }
   if (copy_as_done) return;
-  wait_or_throw(used_map_work_, group_, "all-reduce of the used-parameter map");
-  used_map_work_.reset();
-  const at::Tensor used = used_map_.cpu();
-  const int32_t* data = used.data_ptr<int32_t>();
+  const at::Tensor used = used_map_.to(at::kCPU);  // blocking: the all-reduce is done
+  const int32_t* data = used.const_data_ptr<int32_t>();
   for (size_t i = 0; i < params_.size(); ++i) globally_unused_[i] = data[i] == 0;
   for (size_t b = 0; b < set_.buckets.size(); ++b) copy_out_bucket(b);
 }
@@ -171,7 +235,6 @@ void Reducer::wait_bucket(size_t b) {
       bucket.flat.copy_(result.reshape({-1}));
     }
   }
-  if (record_ && device_timeline_) device_timeline_->bucket_done(record_->slot, b);
 }
 
 void Reducer::copy_out_bucket(size_t b) {

@@ -14,10 +14,12 @@ set(PYREDUCER_CORE_SOURCES
     csrc/bucket.cpp
     csrc/comm.cpp
     csrc/comm_hook.cpp
+    csrc/device_timeline.cpp
     csrc/graph.cpp
     csrc/ops.cpp
     csrc/reducer.cpp
     csrc/reducer_buckets.cpp
+    csrc/reducer_timeline.cpp
     csrc/timeline.cpp)
 
 # The Python extension module pyreducer._C: the only pybind11 code.

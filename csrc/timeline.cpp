@@ -35,13 +35,23 @@ IterationRecord* Timeline::begin(int64_t iteration, int64_t plan_version, size_t
   return &slot;
 }
 
-std::unique_ptr<DeviceTimeline> make_device_timeline(c10::Device device, size_t slots,
-                                                     size_t max_buckets) {
-  if (slots == 0) return nullptr;
-#ifdef PYREDUCER_WITH_CUDA
-  if (device.is_cuda()) return make_cuda_timeline(device.index(), slots, max_buckets);
-#endif
-  return nullptr;
+EventTimes host_times(const IterationRecord& record) {
+  EventTimes times;
+  times.backward_start_ns = record.backward_start_ns;
+  times.backward_end_ns = record.backward_end_ns;
+  times.wait_start_ns = record.wait_start_ns;
+  times.wait_end_ns = record.wait_end_ns;
+  times.finalize_end_ns = record.finalize_end_ns;
+  times.grad_ready_ns = record.grad_ready_ns;
+  const size_t buckets = record.num_buckets;
+  times.bucket_ready_ns.assign(record.bucket_ready_ns.begin(),
+                               record.bucket_ready_ns.begin() + buckets);
+  times.bucket_launch_ns.assign(record.bucket_launch_ns.begin(),
+                                record.bucket_launch_ns.begin() + buckets);
+  for (size_t b = 0; b < buckets; ++b) {
+    times.bucket_done_ns.push_back(record.bucket_done_ns[b].load(std::memory_order_acquire));
+  }
+  return times;
 }
 
 std::vector<const IterationRecord*> Timeline::completed(size_t last) const {

@@ -20,8 +20,6 @@
 #include <memory>
 #include <vector>
 
-#include <c10/core/Device.h>
-
 namespace pyreducer {
 
 struct IterationRecord {
@@ -62,6 +60,11 @@ class Timeline {
   // Completed records, oldest first, at most `last`. Caller holds the Reducer's mutex.
   std::vector<const IterationRecord*> completed(size_t last) const;
 
+  // The record in ring slot `slot` (null past the end). Caller holds the Reducer's mutex.
+  const IterationRecord* at(size_t slot) const {
+    return slot < slots_.size() ? &slots_[slot] : nullptr;
+  }
+
   size_t capacity() const { return slots_.size(); }
 
  private:
@@ -69,44 +72,31 @@ class Timeline {
   size_t next_ = 0;
 };
 
-}  // namespace pyreducer
-
-namespace pyreducer {
-
-// Device-side times (see Note [Timeline]): on GPU, events recorded in stream order at backward
-// start, when each bucket's copy-in is enqueued (ready), after the final wait for each bucket
-// (done: the current stream has waited for that collective), and after the copy back. Only CUDA
-// builds provide an implementation (cuda/cuda_timeline.cpp, compiled, not run); elsewhere no
-// DeviceTimeline exists and only host times are recorded.
-struct DeviceTimes {
-  bool valid = false;
-  std::vector<float> bucket_ready_ms;  // since backward start, on the device
-  std::vector<float> bucket_done_ms;
-  float end_ms = 0;
+// A copy of the times of one completed iteration (Reducer::timeline takes it under the
+// Reducer's lock, so nothing else needs the lock to read it). All times in ns; 0 = not recorded.
+struct EventTimes {
+  int64_t backward_start_ns = 0;
+  int64_t backward_end_ns = 0;
+  int64_t wait_start_ns = 0;
+  int64_t wait_end_ns = 0;
+  int64_t finalize_end_ns = 0;
+  std::vector<int64_t> grad_ready_ns;    // per parameter
+  std::vector<int64_t> bucket_ready_ns;  // per bucket of the plan then in force
+  std::vector<int64_t> bucket_launch_ns;
+  std::vector<int64_t> bucket_done_ns;
 };
 
-class DeviceTimeline {
- public:
-  virtual ~DeviceTimeline() = default;
-  // `slot` is an IterationRecord's index in the ring; `b` a bucket index. Autograd thread.
-  virtual void begin(size_t slot) = 0;
-  virtual void bucket_ready(size_t slot, size_t b) = 0;
-  virtual void bucket_done(size_t slot, size_t b) = 0;
-  virtual void end(size_t slot) = 0;
-  // Blocks until the slot's events completed, then reads them. Python thread.
-  virtual DeviceTimes read(size_t slot, size_t num_buckets) = 0;
+struct IterationTimes {
+  size_t slot = 0;
+  int64_t iteration = 0;
+  int64_t plan_version = 0;
+  std::vector<std::vector<int64_t>> plan;  // the bucket plan then in force, launch order
+  EventTimes times;  // the host's clock, or the device's (see Note [Device timeline])
+  bool device_clock = false;
+  EventTimes host;  // the host's times again, when `times` are the device's
 };
 
-// The device timeline for parameters on `device`, with `slots` iteration slots of up to
-// `max_buckets` buckets: a CudaTimeline for a CUDA device in a CUDA build (chosen here at compile
-// time, no registration), else null. Python thread (Reducer construction).
-std::unique_ptr<DeviceTimeline> make_device_timeline(c10::Device device, size_t slots,
-                                                     size_t max_buckets);
-
-#ifdef PYREDUCER_WITH_CUDA
-// cuda/cuda_timeline.cpp (CUDA builds only).
-std::unique_ptr<DeviceTimeline> make_cuda_timeline(c10::DeviceIndex device, size_t slots,
-                                                   size_t max_buckets);
-#endif
+// The host times of a completed record.
+EventTimes host_times(const IterationRecord& record);
 
 }  // namespace pyreducer

@@ -15,11 +15,16 @@
                        in launch order: last gradient in, all-reduce issued, all-reduce
                        completed (from the work's future, on the communication thread)
 
-All times are nanoseconds on this host's monotonic clock (time.monotonic_ns's clock).
-On GPU (CUDA builds) a record also has `device`: {"bucket_ready_ms", "bucket_done_ms", "end_ms"},
-CUDA-event times since backward start in stream order (ready: the bucket's copy-in enqueued;
-done: the current stream has waited for its collective; end: gradients written back). That
-path is compiled, not run, on the CPU-only machines this was built on.
+    clock              "host" or "device" (below)
+    host               with clock "device": the same fields (grads, buckets, *_ns) on the host
+
+All times are nanoseconds on this host's monotonic clock (time.monotonic_ns's clock), 0 where an
+event did not happen. On a GPU (CUDA builds, parameters on one CUDA device), host times are when
+work was enqueued, not when it ran (NCCL's work completes at enqueue): there the record's times
+are the device's instead (clock "device"), from CUDA events, anchored at the host's backward
+start (csrc/device_timeline.h, Note [Device timeline]); ready and done are when the copy and the
+communication finished on the GPU. Everything below (overlap statistics, profile(), the planner,
+autotune) then uses device times. That path is compiled, not run: no GPU has run it yet.
 
 `model.overlap_stats()` derives, per iteration and averaged (milliseconds):
 
@@ -43,23 +48,29 @@ def records(params, reducer, last: int = 1, rank: int | None = None) -> list[dic
     """See the module docstring: the last `last` records of `reducer` (a pyreducer._C.Reducer)
     over `params` (its pyreducer.params.ReducedParams). `rank` defaults to this process's rank
     in the params' group (pass it where that group may already be destroyed)."""
-    names, sizes = params.names, params.sizes_bytes
     rank = params.rank if rank is None else rank
     result = []
     for raw in reducer.timeline(last):
-        buckets = [dict(index=b, params=[names[i] for i in bucket["param_indices"]],
-                        size_bytes=sum(sizes[i] for i in bucket["param_indices"]),
-                        ready_ns=bucket["ready_ns"], launch_ns=bucket["launch_ns"],
-                        done_ns=bucket["done_ns"])
-                   for b, bucket in enumerate(raw["buckets"])]
-        result.append(dict(
-            iteration=raw["iteration"], rank=rank, plan_version=raw["plan_version"],
-            backward_start_ns=raw["backward_start_ns"], backward_end_ns=raw["backward_end_ns"],
-            wait_start_ns=raw["wait_start_ns"], wait_end_ns=raw["wait_end_ns"],
-            finalize_end_ns=raw["finalize_end_ns"],
-            grads=[dict(name=n, ready_ns=t) for n, t in zip(names, raw["grad_ready_ns"])],
-            buckets=buckets, **({"device": raw["device"]} if "device" in raw else {})))
+        record = dict(iteration=raw["iteration"], rank=rank, plan_version=raw["plan_version"],
+                      clock=raw["clock"], **_event_times(raw, params))
+        if "host" in raw:
+            record["host"] = _event_times(raw["host"], params)
+        result.append(record)
     return result
+
+
+def _event_times(raw: dict, params) -> dict:
+    names, sizes = params.names, params.sizes_bytes
+    buckets = [dict(index=b, params=[names[i] for i in bucket["param_indices"]],
+                    size_bytes=sum(sizes[i] for i in bucket["param_indices"]),
+                    ready_ns=bucket["ready_ns"], launch_ns=bucket["launch_ns"],
+                    done_ns=bucket["done_ns"])
+               for b, bucket in enumerate(raw["buckets"])]
+    return dict(backward_start_ns=raw["backward_start_ns"], backward_end_ns=raw["backward_end_ns"],
+                wait_start_ns=raw["wait_start_ns"], wait_end_ns=raw["wait_end_ns"],
+                finalize_end_ns=raw["finalize_end_ns"],
+                grads=[dict(name=n, ready_ns=t) for n, t in zip(names, raw["grad_ready_ns"])],
+                buckets=buckets)
 
 
 def _union_length(intervals) -> int:

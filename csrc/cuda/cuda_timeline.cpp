@@ -1,77 +1,146 @@
-// CUDA events for the timeline's device-side times (see DeviceTimeline in timeline.h).
-// CUDA builds only. Compiled here, not run (no GPU on this machine).
+// CUDA events for the device timeline (see Note [Device timeline] in device_timeline.h).
+// CUDA builds only. Compiled, not run: no GPU has run this yet.
+#include <atomic>
 #include <memory>
 #include <vector>
 
-#include <c10/core/DeviceType.h>
+#include <ATen/core/ivalue.h>
 #include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "../timeline.h"
+#include "../device_timeline.h"
 
 namespace pyreducer {
 namespace {
 
+// The events of one iteration slot. Events are created lazily by their first record (so the
+// per-parameter and per-bucket ones cost nothing until used) with timing enabled
+// (cudaEventDefault). `recorded` flags say which were recorded in the slot's current iteration:
+// set on the autograd thread under the Reducer's lock, and for done events from the future's
+// callback thread, hence atomics.
+struct Slot {
+  enum Fixed : size_t { kBegin, kBackwardEnd, kWaitStart, kWaitEnd, kEnd, kFixed };
+
+  explicit Slot(size_t num_params)
+      : fixed(timed_events(kFixed)), grad(timed_events(num_params)),
+        ready(timed_events(num_params)), launch(timed_events(num_params)),
+        done(timed_events(num_params)),
+        recorded(std::make_unique<std::atomic<uint8_t>[]>(kFixed + 4 * num_params)) {}
+
+  // The default CUDAEvent disables timing; these time (cudaEventDefault), as torch's CudaTimer.
+  static std::vector<at::cuda::CUDAEvent> timed_events(size_t count) {
+    std::vector<at::cuda::CUDAEvent> events;
+    events.reserve(count);
+    for (size_t i = 0; i < count; ++i) events.emplace_back(cudaEventDefault);
+    return events;
+  }
+
+  std::vector<at::cuda::CUDAEvent> fixed, grad, ready, launch, done;
+  std::unique_ptr<std::atomic<uint8_t>[]> recorded;  // fixed, then grad, ready, launch, done
+};
+
 class CudaTimeline : public DeviceTimeline {
  public:
-  CudaTimeline(c10::DeviceIndex device, size_t slots, size_t max_buckets) : device_(device) {
-    for (size_t s = 0; s < slots; ++s) {
-      Slot slot;
-      slot.start = std::make_unique<c10::cuda::CUDAEvent>(cudaEventDefault);
-      slot.end = std::make_unique<c10::cuda::CUDAEvent>(cudaEventDefault);
-      for (size_t b = 0; b < max_buckets; ++b) {
-        slot.ready.push_back(std::make_unique<c10::cuda::CUDAEvent>(cudaEventDefault));
-        slot.done.push_back(std::make_unique<c10::cuda::CUDAEvent>(cudaEventDefault));
-      }
-      slots_.push_back(std::move(slot));
-    }
+  CudaTimeline(c10::DeviceIndex device, size_t slots, size_t num_params)
+      : device_(device), num_params_(num_params),
+        side_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)) {
+    for (size_t s = 0; s < slots; ++s) slots_.push_back(std::make_shared<Slot>(num_params));
   }
 
   void begin(size_t slot) override {
-    slots_[slot].start->record(stream());
-    slots_[slot].recorded.assign(slots_[slot].ready.size(), 0);
+    Slot& s = *slots_[slot];
+    for (size_t i = 0; i < Slot::kFixed + 4 * num_params_; ++i) {
+      s.recorded[i].store(0, std::memory_order_relaxed);
+    }
+    record(s, s.fixed[Slot::kBegin], Slot::kBegin);
+  }
+  void grad_ready(size_t slot, size_t index) override {
+    Slot& s = *slots_[slot];
+    record(s, s.grad[index], Slot::kFixed + index);
   }
   void bucket_ready(size_t slot, size_t b) override {
-    slots_[slot].ready[b]->record(stream());
-    slots_[slot].recorded[b] |= 1;
+    Slot& s = *slots_[slot];
+    record(s, s.ready[b], Slot::kFixed + num_params_ + b);
   }
-  void bucket_done(size_t slot, size_t b) override {
-    slots_[slot].done[b]->record(stream());
-    slots_[slot].recorded[b] |= 2;
+  void bucket_launch(size_t slot, size_t b) override {
+    Slot& s = *slots_[slot];
+    record(s, s.launch[b], Slot::kFixed + 2 * num_params_ + b);
   }
-  void end(size_t slot) override { slots_[slot].end->record(stream()); }
+  void backward_end(size_t slot) override { fixed(slot, Slot::kBackwardEnd); }
+  void wait_start(size_t slot) override { fixed(slot, Slot::kWaitStart); }
+  void wait_end(size_t slot) override { fixed(slot, Slot::kWaitEnd); }
+  void end(size_t slot) override { fixed(slot, Slot::kEnd); }
 
-  DeviceTimes read(size_t slot, size_t num_buckets) override {
-    Slot& s = slots_[slot];
+  void bucket_done(size_t slot, size_t b,
+                   const c10::intrusive_ptr<c10::ivalue::Future>& done) override {
+    // The slot is held by shared_ptr: a late callback never touches freed events.
+    std::shared_ptr<Slot> s = slots_[slot];
+    const size_t flag = Slot::kFixed + 3 * num_params_ + b;
+    const c10::cuda::CUDAStream side = side_;
+    done->addCallback([s, b, flag, side](c10::ivalue::Future& future) {
+      c10::cuda::CUDAStreamGuard guard(side);
+      future.wait();  // completed: makes the side stream wait for the communication's events
+      s->done[b].record(side);
+      s->recorded[flag].store(1, std::memory_order_release);
+    });
+  }
+
+  DeviceTimes read(size_t slot, size_t num_params, size_t num_buckets) override {
+    const c10::cuda::CUDAGuard guard(device_);
+    Slot& s = *slots_[slot];
     DeviceTimes times;
-    s.end->synchronize();
-    for (size_t b = 0; b < num_buckets && b < s.ready.size(); ++b) {
-      const bool both = b < s.recorded.size() && s.recorded[b] == 3;
-      times.bucket_ready_ms.push_back(both ? s.start->elapsed_time(*s.ready[b]) : -1.0f);
-      times.bucket_done_ms.push_back(both ? s.start->elapsed_time(*s.done[b]) : -1.0f);
+    times.backward_end_ms = since_begin(s, s.fixed[Slot::kBackwardEnd], Slot::kBackwardEnd);
+    times.wait_start_ms = since_begin(s, s.fixed[Slot::kWaitStart], Slot::kWaitStart);
+    times.wait_end_ms = since_begin(s, s.fixed[Slot::kWaitEnd], Slot::kWaitEnd);
+    times.end_ms = since_begin(s, s.fixed[Slot::kEnd], Slot::kEnd);
+    for (size_t i = 0; i < num_params && i < num_params_; ++i) {
+      times.grad_ready_ms.push_back(since_begin(s, s.grad[i], Slot::kFixed + i));
     }
-    times.end_ms = s.start->elapsed_time(*s.end);
-    times.valid = true;
+    for (size_t b = 0; b < num_buckets && b < num_params_; ++b) {
+      times.bucket_ready_ms.push_back(since_begin(s, s.ready[b], Slot::kFixed + num_params_ + b));
+      times.bucket_launch_ms.push_back(
+          since_begin(s, s.launch[b], Slot::kFixed + 2 * num_params_ + b));
+      times.bucket_done_ms.push_back(
+          since_begin(s, s.done[b], Slot::kFixed + 3 * num_params_ + b));
+    }
     return times;
   }
 
  private:
-  struct Slot {
-    std::unique_ptr<c10::cuda::CUDAEvent> start, end;
-    std::vector<std::unique_ptr<c10::cuda::CUDAEvent>> ready, done;
-    std::vector<uint8_t> recorded;
-  };
-  c10::cuda::CUDAStream stream() const { return c10::cuda::getCurrentCUDAStream(device_); }
+  void record(Slot& s, at::cuda::CUDAEvent& event, size_t flag) {
+    event.record(c10::cuda::getCurrentCUDAStream(device_));
+    s.recorded[flag].store(1, std::memory_order_release);
+  }
+  void fixed(size_t slot, size_t which) {
+    Slot& s = *slots_[slot];
+    record(s, s.fixed[which], which);
+  }
+  // Milliseconds from the begin event to `event`, both waited for first (CUDAEvent::elapsed_time
+  // requires both completed, as torch's CudaTimer does); -1 if either was not recorded.
+  static double since_begin(Slot& s, at::cuda::CUDAEvent& event, size_t flag) {
+    at::cuda::CUDAEvent& begin = s.fixed[Slot::kBegin];
+    if (!s.recorded[Slot::kBegin].load(std::memory_order_acquire) ||
+        !s.recorded[flag].load(std::memory_order_acquire) || !begin.isCreated() ||
+        !event.isCreated()) {
+      return -1.0;
+    }
+    begin.synchronize();
+    event.synchronize();
+    return static_cast<double>(begin.elapsed_time(event));
+  }
 
   c10::DeviceIndex device_;
-  std::vector<Slot> slots_;
+  size_t num_params_;
+  c10::cuda::CUDAStream side_;  // done events: see bucket_done
+  std::vector<std::shared_ptr<Slot>> slots_;
 };
 
 }  // namespace
 
 std::unique_ptr<DeviceTimeline> make_cuda_timeline(c10::DeviceIndex device, size_t slots,
-                                                   size_t max_buckets) {
-  return std::make_unique<CudaTimeline>(device, slots, max_buckets);
+                                                   size_t num_params) {
+  return std::make_unique<CudaTimeline>(device, slots, num_params);
 }
 
 }  // namespace pyreducer

@@ -64,6 +64,8 @@ def shift_record(record: dict, delta: int) -> dict:
                     for g in record["grads"]]
     out["buckets"] = [{k: (v + delta if k.endswith("_ns") and v else v) for k, v in b.items()}
                       for b in record["buckets"]]
+    if "host" in record:  # device-clock records keep their host times too
+        out["host"] = shift_record(record["host"], delta)
     return out
 
 

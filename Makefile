@@ -9,7 +9,7 @@ CMAKE_BUILD := build/cmake
 PYTEST_ARGS ?=
 export MAX_JOBS ?= 2
 
-.PHONY: venv build demo test test-fast test-multirank test-netem cpp-test pytest bench cuda-check clean
+.PHONY: venv build demo test test-fast test-multirank test-netem cpp-test pytest bench cuda-build cuda-check gpu-test clean
 
 venv: $(DEPS_STAMP)
 
@@ -51,8 +51,9 @@ test-netem: build
 	$(VPY) -m pytest -q $(PYTEST_ARGS) tests/netem
 
 # The CUDA build, checked without a GPU: a separate venv with torch's CUDA 13.0 build, the
-# extension compiled with its CUDA kernels (csrc/cuda), imported, and the CPU test suite run
-# against it. The kernels are compiled, not run, on a machine without a GPU.
+# extension compiled with its CUDA kernels (csrc/cuda) for CUDA_ARCHS, imported, and the whole
+# test suite run against it (the GPU kit is collected and skipped). The kernels are compiled,
+# not run, on a machine without a GPU.
 CUDA_VENV ?= .venv-cuda
 CUDA_TORCH_VERSION ?= 2.14.1
 # The toolkit: $CUDA_HOME if set, else /usr/local/cuda (nvcc on PATH may be a wrapper script).
@@ -67,21 +68,31 @@ $(CUDA_STAMP):
 	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check numpy pytest ninja matplotlib
 	touch $@
 
+CUDA_ARCHS ?= 8.0;9.0
+
 ifeq ($(NVCC),)
-cuda-check:
-	@echo "cuda-check: nvcc not found: the CUDA build was not checked (nothing compiled)."
+cuda-build cuda-check gpu-test:
+	@echo "$@: nvcc not found: the CUDA build was not checked (nothing compiled)."
 else
-cuda-check: $(CUDA_STAMP)
-	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="8.0;9.0" PYREDUCER_CUDA=1 \
+cuda-build: $(CUDA_STAMP)
+	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(CUDA_ARCHS)" PYREDUCER_CUDA=1 \
 	    $(CUDA_VENV)/bin/python setup.py --quiet build_ext --build-lib $(CUDA_BUILD)/lib --build-temp $(CUDA_BUILD)/temp
 	rm -rf $(CUDA_BUILD)/pkg && mkdir -p $(CUDA_BUILD)/pkg
 	cp -r pyreducer $(CUDA_BUILD)/pkg/ && rm -f $(CUDA_BUILD)/pkg/pyreducer/_C*.so
 	cp $(CUDA_BUILD)/lib/pyreducer/_C*.so $(CUDA_BUILD)/pkg/pyreducer/
 	cd $(CUDA_BUILD)/pkg && $(abspath $(CUDA_VENV))/bin/python -c "import torch, pyreducer; \
 	    assert pyreducer._C.WITH_CUDA, 'built without CUDA kernels'; \
-	    print('cuda-check: pyreducer built with CUDA kernels against torch', torch.version.__version__, \
-	          '(CUDA', torch.version.cuda + '); GPU present:', torch.cuda.is_available())"
+	    print('cuda-build: pyreducer built with CUDA kernels against torch', torch.version.__version__, \
+	          '(CUDA', torch.version.cuda + '); GPUs visible:', torch.cuda.device_count())"
+
+cuda-check: cuda-build
 	PYTHONPATH=$(abspath $(CUDA_BUILD)/pkg) $(CUDA_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+# On a machine with GPUs: the GPU kit (tests/gpu) and the CUDA op tests, against the CUDA build.
+# Its "GPU kit" summary says what ran and what could not (e.g. world size 2+ with one GPU).
+gpu-test: cuda-build
+	PYTHONPATH=$(abspath $(CUDA_BUILD)/pkg) $(CUDA_VENV)/bin/pytest -q -rs -p no:cacheprovider \
+	    $(PYTEST_ARGS) tests/gpu tests/unit/test_ops.py
 endif
 
 bench: build

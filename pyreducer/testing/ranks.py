@@ -1,8 +1,8 @@
-"""Run a function on N local Gloo ranks, with a hard wall-clock bound (tests, demo, benchmarks).
+"""Run a function on N local ranks (Gloo; or NCCL, one GPU each), with a hard wall-clock bound.
 
     results = run_ranks(fn, world_size=2, args=(...), timeout_s=120)
 
-spawns one process per rank (start method "spawn"), initialises a Gloo process group over a file
+spawns one process per rank (start method "spawn"), initialises a process group (Gloo by default) over a file
 store, calls fn(rank, world_size, *args) and returns the per-rank return values. A rank that
 raises makes run_ranks raise RankError naming that rank with its traceback; ranks that have not
 finished by the deadline are killed and run_ranks raises RankTimeout naming them. Results travel
@@ -36,17 +36,22 @@ class RankTimeout(TimeoutError):
         self.ranks = ranks
 
 
-def _child(rank, world_size, init_file, fn, args, results, pg_timeout_s, threads, env):
+def _child(rank, world_size, init_file, fn, args, results, pg_timeout_s, threads, env, backend,
+           set_device):
     os.environ.update(env)
     import torch
     import torch.distributed as dist
 
+    from pyreducer.nested import map_tensors
+
     torch.set_num_threads(threads)
     status, payload = "ok", None
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+        if set_device:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
-        value = fn(rank, world_size, *args)
+        value = map_tensors(fn(rank, world_size, *args), lambda t: t.detach().cpu())
         buffer = io.BytesIO()
         torch.save(value, buffer)
         payload = buffer.getvalue()
@@ -107,8 +112,10 @@ def _mark_dead(procs, outcomes, results):
 
 def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
               pg_timeout_s: float = 60.0, threads: int = 1, env: dict | None = None,
-              error_grace_s: float = 5.0, may_die: tuple = ()) -> list:
-    """Runs fn(rank, world_size, *args) on world_size spawned Gloo ranks; returns their results.
+              error_grace_s: float = 5.0, may_die: tuple = (), backend: str = "gloo",
+              set_device: bool | None = None) -> list:
+    """Runs fn(rank, world_size, *args) on world_size spawned ranks; returns their results
+    (tensors in them come back on the CPU).
 
     Args:
         fn: a module-level (picklable) function.
@@ -119,7 +126,12 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
         error_grace_s: after a rank fails, how long the others get to report before being killed.
         may_die: ranks that are expected to exit without a result (fault-injection tests); their
             result is None.
+        backend: "gloo" (default) or "nccl" (one GPU per rank).
+        set_device: call torch.cuda.set_device(rank) before init; default: with "nccl" only
+            (False tests scripts that never call it).
     """
+    if set_device is None:
+        set_device = backend == "nccl"
     import torch
 
     ctx = mp.get_context("spawn")
@@ -128,7 +140,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
         init_file = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_child, daemon=True,
                              args=(rank, world_size, init_file, fn, args, results, pg_timeout_s,
-                                   threads, dict(env or {})))
+                                   threads, dict(env or {}), backend, set_device))
                  for rank in range(world_size)]
         for p in procs:
             p.start()

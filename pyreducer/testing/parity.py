@@ -1,0 +1,198 @@
+"""The parity scenarios: the same models, optimizers and options trained with torch DDP and
+with pyreducer (tests/multirank/test_parity.py on Gloo ranks, tests/gpu on NCCL ranks).
+
+Every scenario trains the same model twice on each rank, once wrapped in torch's
+DistributedDataParallel and once in pyreducer's, from the same (deliberately rank-dependent)
+initialisation, so both must also broadcast rank 0's state. Batches are made on the CPU (the
+same on every device), then moved to the model's device.
+"""
+import copy
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+STEPS = 5
+
+
+class Branchy(nn.Module):
+    """A branch skipped on some iterations on every rank, on some only on rank 1; a head that
+    is never used (its .grad must stay as it was)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.branch = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.head, self.never = nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x, use_branch=True):
+        h = torch.relu(self.trunk(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
+class Checkpointed(nn.Module):
+    """Reentrant activation checkpointing, the same block checkpointed twice (its hooks fire
+    twice per backward), and an unused parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(16, 16)
+        self.shared = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.head, self.unused = nn.Linear(16, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = checkpoint(self.shared, h, use_reentrant=True)
+        h = checkpoint(self.shared, h, use_reentrant=True)
+        return self.head(h)
+
+
+class MixedDtypes(nn.Module):
+    """float32, float64 and bfloat16 parameters, and a frozen layer in between."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.frozen = nn.Linear(16, 16).requires_grad_(False)
+        self.b = nn.Linear(16, 16).double()
+        self.c = nn.Linear(16, 4).bfloat16()
+
+    def forward(self, x):
+        h = self.frozen(torch.relu(self.a(x)))
+        h = torch.relu(self.b(h.double())).float()
+        return self.c(h.bfloat16()).float()
+
+
+def _regression(gen, size):
+    return torch.randn(size, 16, generator=gen), torch.randn(size, 4, generator=gen)
+
+
+def _branch_loss(model, batch, step, rank):
+    use = step % 3 != 0 and not (rank == 1 and step % 2 == 0)
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x, use_branch=use), y)
+
+
+def _plain_loss(model, batch, step, rank):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+LOCAL_MODELS = {"branchy": (Branchy, _regression, _branch_loss),
+                "checkpointed": (Checkpointed, _regression, _plain_loss),
+                "mixed_dtypes": (MixedDtypes, _regression, _plain_loss)}
+
+SCENARIOS = {
+    "mlp_sgd": dict(model="mlp", opt="sgd"),
+    "mlp_adam": dict(model="mlp", opt="adam"),
+    "cnn_batchnorm_sgd": dict(model="cnn", opt="sgd"),
+    "cnn_batchnorm_adam": dict(model="cnn", opt="adam"),
+    "tied_weights_adam": dict(model="tied", opt="adam"),
+    "bucket_per_param": dict(model="mlp", opt="adam", ddp=dict(bucket_cap_mb=0.001)),
+    "one_bucket": dict(model="cnn", opt="sgd", ddp=dict(bucket_cap_mb=1000)),
+    "bucket_cap_list": dict(model="mlp", opt="sgd", ddp=dict(bucket_cap_mb_list=[0.001, 0.01])),
+    "no_sync_4_micro_batches": dict(model="mlp", opt="adam", micro=4, how="no_sync"),
+    "no_sync_batchnorm": dict(model="cnn", opt="sgd", micro=4, how="no_sync"),
+    "require_backward_grad_sync_toggle": dict(model="cnn", opt="adam", micro=3, how="attribute"),
+    # find_unused_parameters: skipped branch (all ranks / one rank), a never-used head
+    "find_unused_sgd": dict(model="branchy", opt="sgd", ddp=dict(find_unused_parameters=True)),
+    "find_unused_adam_no_sync": dict(model="branchy", opt="adam", micro=2, how="no_sync",
+                                     ddp=dict(find_unused_parameters=True)),
+    # static_graph: reentrant checkpointing with hooks firing twice, an unused parameter
+    "static_graph_checkpoint": dict(model="checkpointed", opt="sgd", ddp=dict(static_graph=True)),
+    "static_graph_checkpoint_adam": dict(model="checkpointed", opt="adam",
+                                         ddp=dict(static_graph=True, bucket_cap_mb=0.001)),
+    # gradient_as_bucket_view with both zero_grad styles, and across the rebuild under no_sync
+    "bucket_view_set_to_none": dict(model="mlp", opt="adam",
+                                    ddp=dict(gradient_as_bucket_view=True)),
+    "bucket_view_zero_fill": dict(model="cnn", opt="sgd", set_to_none=False,
+                                  ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=0.001)),
+    "bucket_view_no_sync_rebuild": dict(model="mlp", opt="sgd", micro=3, how="no_sync",
+                                        set_to_none=False,
+                                        ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=0.3)),
+    # batched_grad_copy: one fused copy per bucket (pyreducer::bucket_copy_in)
+    "batched_grad_copy": dict(model="cnn", opt="adam", ddp=dict(batched_grad_copy=True)),
+    "batched_grad_copy_views": dict(model="mlp", opt="sgd", micro=2, how="no_sync",
+                                    ddp=dict(batched_grad_copy=True, bucket_cap_mb=0.3,
+                                             gradient_as_bucket_view=True)),
+    "batched_grad_copy_channels_last": dict(model="cnn", opt="sgd", channels_last=True,
+                                            ddp=dict(batched_grad_copy=True)),
+    "channels_last": dict(model="cnn", opt="adam", channels_last=True),
+    # mixed dtypes (float32 + float64 + bfloat16) and a frozen layer
+    "mixed_dtypes_frozen": dict(model="mixed_dtypes", opt="sgd", ddp=dict(bucket_cap_mb=0.001)),
+}
+
+
+def _optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def _model_fns(name):
+    if name in LOCAL_MODELS:
+        build, batch, loss = LOCAL_MODELS[name]
+        return build, batch, loss
+    from pyreducer.testing import models
+
+    spec = models.spec(name)
+    return spec.build, spec.batch, lambda model, batch, step, rank: spec.loss(model, batch)
+
+
+def _on(batch, device):
+    return tuple(t.to(device) for t in batch)
+
+
+def train(cls, base, scenario, rank, device="cpu"):
+    """STEPS steps of `scenario` with wrapper `cls` (torch's or pyreducer's DDP) around a copy of
+    `base`; returns (state dict with .grad entries, the wrapper). On a GPU the module moves to
+    `device` and the wrapper gets device_ids, as a GPU user passes them."""
+    _, make_batch, loss_fn = _model_fns(scenario["model"])
+    device = torch.device(device)
+    kwargs = dict(scenario.get("ddp", {}))
+    if device.type == "cuda":
+        kwargs["device_ids"] = [device.index]
+    model = cls(copy.deepcopy(base).to(device), **kwargs)
+    opt = _optimizer(scenario["opt"], [p for p in model.parameters() if p.requires_grad])
+    gen = torch.Generator().manual_seed(1000 + rank)
+    micro = scenario.get("micro", 1)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=scenario.get("set_to_none", True))
+        for m in range(micro):
+            last = m == micro - 1
+            if scenario.get("how") == "no_sync" and not last:
+                with model.no_sync():
+                    loss_fn(model, _on(make_batch(gen, 8), device), step, rank).backward()
+                continue
+            if scenario.get("how") == "attribute":
+                model.require_backward_grad_sync = last
+            loss_fn(model, _on(make_batch(gen, 8), device), step, rank).backward()
+        opt.step()
+    state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    state.update({f"{n}.grad": (p.grad.clone() if p.grad is not None else None)
+                  for n, p in model.module.named_parameters()})
+    return state, model
+
+
+def parity_worker(rank, world_size, names, device_type="cpu"):
+    """Trains every named scenario with torch DDP and with pyreducer on this rank; per scenario
+    {"torch": state, "ours": state, "buckets": pyreducer's bucket plan, "num_params"}. With
+    device_type "cuda", rank r trains on cuda:r."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    out = {}
+    for name in names:
+        scenario = SCENARIOS[name]
+        torch.manual_seed(17 + rank)  # ranks start different: both wrappers must broadcast
+        base = _model_fns(scenario["model"])[0]()
+        if scenario.get("channels_last"):
+            base = base.to(memory_format=torch.channels_last)
+        torch_state, _ = train(TorchDDP, base, scenario, rank, device)
+        ours_state, ours = train(DistributedDataParallel, base, scenario, rank, device)
+        out[name] = dict(torch=torch_state, ours=ours_state, buckets=ours.bucket_plan(),
+                         num_params=len(list(ours.parameters())))
+    return out

@@ -1,0 +1,278 @@
+"""Rank functions of the GPU kit (module-level, so spawned NCCL ranks can run them). Each
+returns plain data (tensors come back on the CPU)."""
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 8))
+
+
+def _steps(model, device, steps, seed, cpu_inputs=False):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(seed)
+    grads = []
+    for _ in range(steps):
+        opt.zero_grad()
+        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+        out = model(x if cpu_inputs else x.to(device))
+        torch.nn.functional.mse_loss(out, y.to(device)).backward()
+        grads.append([p.grad.detach().clone() for p in model.parameters()])
+        opt.step()
+    return grads
+
+
+def one_rank_worker(rank, world_size):
+    """World size 1 on one GPU with NCCL: rebuild, device timeline, inputs, hooks, unused
+    parameters, autotune."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    base = _mlp().to(device)
+    out = {}
+    ours = DistributedDataParallel(copy.deepcopy(base), device_ids=[rank], bucket_cap_mb=0.5)
+    theirs = TorchDDP(copy.deepcopy(base), device_ids=[rank], bucket_cap_mb=0.5)
+    out["grads"] = dict(ours=_steps(ours, device, 4, 1, cpu_inputs=True),
+                        torch=_steps(theirs, device, 4, 1, cpu_inputs=True))
+    out["plans"] = [b["params"] for b in ours.bucket_plan()]
+    out["timeline"] = ours.timeline(3)
+    out["stats"] = ours.overlap_stats()
+    out.update(_packed_sequence(rank))
+    out.update(_nested_inputs(rank))
+    out.update(_hooks(base, rank))
+    out.update(_unused(rank))
+    auto = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb="auto")
+    _steps(auto, device, 40, 2)
+    out["autotune_log"] = auto.autotune_log
+    return out
+
+
+def _packed_sequence(rank):
+    """An LSTM fed a PackedSequence made on the CPU (batch_sizes must stay there)."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(3)
+    lstm = nn.LSTM(4, 8, batch_first=True).cuda(rank)
+    packed = pack_padded_sequence(torch.randn(3, 5, 4), torch.tensor([5, 3, 2]),
+                                  batch_first=True, enforce_sorted=False)
+    result = {}
+    for key, cls in (("ours", DistributedDataParallel), ("torch", TorchDDP)):
+        model = cls(copy.deepcopy(lstm), device_ids=[rank])
+        output, _ = model(packed)
+        output.data.sum().backward()
+        result[key] = [p.grad.clone() for p in model.parameters()]
+    return {"packed": result}
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    extra: dict
+
+
+class _Echo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, batch, scale):
+        self.seen = (batch.x.device, batch.extra["y"].device, scale.device)
+        return self.linear(batch.x * scale).sum() + batch.extra["y"].sum()
+
+
+def _nested_inputs(rank):
+    from pyreducer import DistributedDataParallel
+
+    model = DistributedDataParallel(_Echo().cuda(rank), device_ids=[rank])
+    model(_Batch(torch.randn(2, 4), {"y": torch.ones(3)}), scale=torch.tensor(2.0)).backward()
+    return {"input_devices": [str(d) for d in model.module.seen]}
+
+
+def _hooks(base, rank):
+    """torch's fp16 hook and pyreducer's built-in one, with the device timeline recording
+    (its done events come from the hooks' futures)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    device = torch.device("cuda", rank)
+    result = {}
+    for key, cls in (("ours", DistributedDataParallel), ("torch", TorchDDP)):
+        model = cls(copy.deepcopy(base), device_ids=[rank], bucket_cap_mb=0.5)
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        result[key] = _steps(model, device, 3, 4)
+        if key == "ours":
+            result["timeline"] = model.timeline(1)
+    builtin = DistributedDataParallel(copy.deepcopy(base), device_ids=[rank])
+    builtin.register_builtin_hook("bf16")
+    result["builtin"] = _steps(builtin, device, 3, 4)
+    return {"hooks": result}
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.used, self.unused = nn.Linear(8, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.used(self.trunk(x))
+
+
+def _unused(rank):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(5)
+    base = _TwoHeads().cuda(rank)
+    result = {}
+    for key, cls in (("ours", DistributedDataParallel), ("torch", TorchDDP)):
+        model = cls(copy.deepcopy(base), device_ids=[rank], find_unused_parameters=True)
+        for step in range(3):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).cuda(rank)) \
+                .sum().backward()
+        result[key] = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+    return {"unused": result}
+
+
+def no_set_device_worker(rank, world_size):
+    """A script that never calls torch.cuda.set_device: valid with torch DDP (everything uses the
+    parameters' device), so it must be with pyreducer: construction (model check, broadcast),
+    the rebuild, the timeline's clock alignment and autotune's collectives."""
+    from pyreducer import DistributedDataParallel
+    from pyreducer.observe.trace import gather_timelines
+
+    device = torch.device("cuda", rank)
+    assert torch.cuda.current_device() == 0  # the trap: every rank's current device is cuda:0
+    torch.manual_seed(rank)
+    model = DistributedDataParallel(_mlp().to(device), device_ids=[rank], bucket_cap_mb=0.5)
+    grads = _steps(model, device, 3, 7)
+    gathered = gather_timelines(model, 2)
+    auto = DistributedDataParallel(_mlp().to(device), bucket_cap_mb="auto")
+    _steps(auto, device, 30, 8)
+    return dict(grads=grads[-1], gathered=gathered is not None, log=auto.autotune_log)
+
+
+def strides_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel
+
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).cuda(rank)
+    if rank == 1:
+        conv = conv.to(memory_format=torch.channels_last)
+    try:
+        DistributedDataParallel(conv, device_ids=[rank])
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def big_bucket_worker(rank, world_size):
+    """One 64 MiB bucket: its device-timed all-reduce takes real time (at most ~1 TB/s)."""
+    from pyreducer import DistributedDataParallel
+
+    model = DistributedDataParallel(nn.Linear(4096, 4096, bias=False).cuda(rank),
+                                    device_ids=[rank], bucket_cap_mb=1000)
+    for _ in range(4):
+        model(torch.randn(8, 4096, device=f"cuda:{rank}")).sum().backward()
+    return dict(timeline=model.timeline(2), stats=model.overlap_stats(2))
+
+
+def join_fp16_worker(rank, world_size):
+    """Uneven inputs under join() with torch's fp16 hook, on NCCL (where a dtype mismatch between
+    a joined rank's shadow all-reduce and the training ranks' would hang or corrupt)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    device = torch.device("cuda", rank)
+    torch.manual_seed(9)
+    base = _mlp().to(device)
+    result = {}
+    for key, cls in (("ours", DistributedDataParallel), ("torch", TorchDDP)):
+        model = cls(copy.deepcopy(base), device_ids=[rank], bucket_cap_mb=0.5)
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(rank)
+        with model.join():
+            for _ in range(2 + 2 * rank):
+                opt.zero_grad()
+                x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+                torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+                opt.step()
+        result[key] = [p.detach().clone() for p in model.parameters()]
+    return result
+
+
+def allreduce_busbw_gbps(rank, world_size):
+    """NCCL all-reduce bus bandwidth of 256 MiB here (nccl-tests' definition), for checking the
+    link probe against."""
+    import time
+
+    data = torch.ones(64 << 20, device=f"cuda:{rank}")
+    for _ in range(3):
+        dist.all_reduce(data)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dist.all_reduce(data)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / 10
+    return 2 * (world_size - 1) / world_size * data.numel() * 4 / seconds / 1e9
+
+
+class _TwoStreams(nn.Module):
+    """The first layers run on a side stream (so do their backward and their gradients' hooks,
+    autograd keeping each op's stream), the rest on the current stream."""
+
+    def __init__(self, side_stream):
+        super().__init__()
+        self.side = side_stream
+        self.a = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256))
+        self.b = nn.Sequential(nn.ReLU(), nn.Linear(256, 8))
+
+    def forward(self, x):
+        if self.side is None:
+            return self.b(self.a(x))
+        current = torch.cuda.current_stream()
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
+            h = self.a(x)
+        current.wait_stream(self.side)
+        h.record_stream(current)
+        return self.b(h)
+
+
+def two_streams_worker(rank, world_size):
+    """Gradients copied into one bucket from two streams (Note [Streams of a bucket]): the
+    launch must wait for both. Reference: the same model on one stream."""
+    from pyreducer import DistributedDataParallel
+
+    device = torch.device("cuda", rank)
+    results = {}
+    for key, side in (("two_streams", torch.cuda.Stream(device)), ("one_stream", None)):
+        torch.manual_seed(11)
+        model = DistributedDataParallel(_TwoStreams(side).to(device), device_ids=[rank],
+                                        bucket_cap_mb=1000)
+        gen = torch.Generator().manual_seed(rank)
+        grads = []
+        for _ in range(3):
+            model.zero_grad()
+            x, y = torch.randn(256, 32, generator=gen), torch.randn(256, 8, generator=gen)
+            torch.nn.functional.mse_loss(model(x), y.to(device)).backward()
+            torch.cuda.synchronize(device)
+            grads.append([p.grad.detach().clone() for p in model.parameters()])
+        results[key] = grads
+    return results

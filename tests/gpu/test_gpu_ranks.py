@@ -1,0 +1,99 @@
+"""World sizes 2 and 3 on NCCL, one GPU per rank (skipped where fewer GPUs are visible): bitwise
+parity with torch DDP on the parity scenarios (3 ranks: the CUDA copy's rounding, Note [Rounding
+of the scaled copy]), join() with the fp16 hook, a script that never calls set_device, strides
+checked across ranks, device-timed communication, and the link probe against the measured bus
+bandwidth."""
+import pytest
+import torch
+
+from gpu_kit import GPUS, nccl_ranks, needs_gpus
+from gpu_workers import (allreduce_busbw_gbps, big_bucket_worker, join_fp16_worker,
+                         no_set_device_worker, strides_worker, two_streams_worker)
+from pyreducer.testing.parity import SCENARIOS, parity_worker
+
+# Scenarios whose arithmetic is torch DDP's exactly: bit for bit. The others (static graphs,
+# whose first iteration reduces in parameter order) within 1e-6, as on CPU.
+BITWISE = [name for name in SCENARIOS if not name.startswith("static_graph")]
+WORLD_SIZES = [pytest.param(n, marks=needs_gpus(n), id=f"{n}gpus") for n in (2, 3)]
+
+
+def _parity(world_size):
+    return nccl_ranks(_cuda_parity_worker, world_size)
+
+
+def _cuda_parity_worker(rank, world_size):
+    return parity_worker(rank, world_size, tuple(SCENARIOS), "cuda")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_matches_torch_ddp(world_size, name):
+    for rank, result in enumerate(_parity(world_size)):
+        theirs, ours = result[name]["torch"], result[name]["ours"]
+        assert ours.keys() == theirs.keys()
+        for key in theirs:
+            if theirs[key] is None or ours[key] is None:
+                assert ours[key] is None and theirs[key] is None, f"rank {rank}: {key}"
+            elif name in BITWISE:
+                assert torch.equal(ours[key], theirs[key]), f"rank {rank}: {key} not bitwise"
+            else:
+                diff = (ours[key].double() - theirs[key].double()).abs().max().item()
+                assert diff <= 1e-6, f"rank {rank}: {key} differs by {diff:.3g}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_join_with_fp16_hook_matches_torch_ddp(world_size):
+    for rank, result in enumerate(nccl_ranks(join_fp16_worker, world_size)):
+        for a, b in zip(result["ours"], result["torch"]):
+            assert torch.equal(a, b), f"rank {rank}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_without_set_device_every_rank_uses_its_parameters_gpu(world_size):
+    results = nccl_ranks(no_set_device_worker, world_size, set_device=False)
+    for rank, result in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(result["grads"], results[0]["grads"]))
+        assert result["gathered"] == (rank == 0)
+        assert result["log"][-1]["event"] == "chosen"
+
+
+@needs_gpus(2)
+def test_strides_are_checked_across_ranks():
+    for error in nccl_ranks(strides_worker, 2):
+        assert error is not None and "channels_last" in error and "rank 1" in error
+
+
+@needs_gpus(2)
+def test_communication_is_timed_on_the_device():
+    """A 64 MiB all-reduce cannot take less than 64 MiB / 1 TB/s: host times on NCCL (the future
+    completes at enqueue) would give about 0."""
+    for result in nccl_ranks(big_bucket_worker, 2):
+        for record, stats in zip(result["timeline"], result["stats"]["iterations"]):
+            assert record["clock"] == "device"
+            assert stats["comm_ms"][-1] >= 64 * 2**20 / 1e12 * 1e3, stats["comm_ms"]
+
+
+@needs_gpus(2)
+def test_link_probe_finds_the_measured_bandwidth():
+    """The autotune's link probe (device-synchronized) against a plain NCCL bus-bandwidth
+    measurement on the same GPUs: between 0.3x and 1.2x of it."""
+    busbw = nccl_ranks(allreduce_busbw_gbps, 2)[0]
+    results = nccl_ranks(no_set_device_worker, 2, set_device=False)
+    link = results[0]["log"][0]
+    probed_gbps = link["bandwidth_gbit"] / 8
+    assert 0.3 * busbw <= probed_gbps <= 1.2 * busbw, (probed_gbps, busbw)
+
+
+@needs_gpus(2)
+def test_buckets_wait_for_the_streams_their_gradients_were_copied_on():
+    """Note [Streams of a bucket]: half the gradients of one bucket are copied on a side stream;
+    the reduced gradients equal those of the same model on one stream."""
+    for rank, result in enumerate(nccl_ranks(two_streams_worker, 2)):
+        for step, (two, one) in enumerate(zip(result["two_streams"], result["one_stream"])):
+            for a, b in zip(two, one):
+                assert torch.equal(a, b), f"rank {rank}, step {step}"
+
+
+def test_gpu_count_is_reported():
+    """Always runs: the kit's summary (conftest) says how many GPUs were visible."""
+    assert GPUS >= 0

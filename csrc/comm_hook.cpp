@@ -35,6 +35,12 @@ FuturePtr CompressHook::run(GradBucketView& bucket) {
   at::Tensor compressed = cast_scaled(bucket.buffer, dtype_, static_cast<double>(group_->getSize()));
   WorkPtr work = allreduce_sum_async(group_, compressed);
   at::Tensor buffer = bucket.buffer;
+  // On CUDA, `compressed` is read back in the callback below, on another stream than it was
+  // written on. That is safe without record_stream: the work's future is CUDA-aware, so
+  // ivalue::Future runs the callback on a pool stream that has first waited for the
+  // all-reduce's events, and records the value's storage (`compressed`) on that stream for the
+  // caching allocator; the child future's own events then order the Reducer's wait after the
+  // copy. (Compiled, not run: no GPU.)
   return work->getFuture()->then(
       [buffer, compressed](c10::ivalue::Future& /*done*/) -> c10::IValue {
         at::Tensor target = buffer;  // a handle to the same storage

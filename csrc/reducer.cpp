@@ -60,6 +60,39 @@ struct Sink : public torch::autograd::Function<Sink> {
   }
 };
 
+// Zeroes the buckets for shadow_backward. With gradient_as_bucket_view the buckets are this
+// rank's param.grad: it swaps in zeroed stand-ins instead (views laid out as the real ones, for
+// hooks), and the real buffers back when it goes out of scope (as torch's zeros_like buckets).
+class ZeroedBuckets {
+ public:
+  ZeroedBuckets(std::vector<Bucket>& buckets, bool stand_ins) : buckets_(buckets) {
+    for (Bucket& bucket : buckets_) {
+      if (!stand_ins) {
+        bucket.flat.zero_();
+        continue;
+      }
+      saved_.emplace_back(bucket.flat, bucket.views);
+      bucket.flat = at::zeros_like(bucket.flat);
+      for (size_t k = 0; k < bucket.views.size(); ++k) {
+        const at::Tensor& real = saved_.back().second[k];
+        bucket.views[k] = bucket.flat.as_strided(real.sizes(), real.strides(), bucket.offsets[k]);
+      }
+    }
+  }
+  ~ZeroedBuckets() {
+    for (size_t b = 0; b < saved_.size(); ++b) {
+      buckets_[b].flat = std::move(saved_[b].first);
+      buckets_[b].views = std::move(saved_[b].second);
+    }
+  }
+  ZeroedBuckets(const ZeroedBuckets&) = delete;
+  ZeroedBuckets& operator=(const ZeroedBuckets&) = delete;
+
+ private:
+  std::vector<Bucket>& buckets_;
+  std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> saved_;
+};
+
 }  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_names,
@@ -206,10 +239,10 @@ void Reducer::shadow_backward() {
   }
   num_iterations_ += 1;  // as the training ranks' synced forward counts it
   const bool used_map = dynamic_find_unused() || static_first_iteration();
+  at::NoGradGuard no_grad;
   try {
-    at::NoGradGuard no_grad;
+    const ZeroedBuckets zeroed(set_.buckets, options_.gradient_as_bucket_view);
     for (size_t b = 0; b < set_.buckets.size(); ++b) {
-      set_.buckets[b].flat.zero_();
       launch_bucket(b);  // record_ is null: nothing is recorded
     }
     if (used_map) {

@@ -110,7 +110,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // contributes nothing): each bucket's all-reduce, or the communication hook on it when one is
   // registered (so dtypes and collective counts match: torch DDP also runs the hook on zeroed
   // buckets), then the used-map all-reduce where the training ranks issue one. Waits for them;
-  // param.grad is left untouched. If no ready order was recorded yet, takes parameter order, so
+  // param.grad is left untouched (with gradient_as_bucket_view on zeroed stand-in buckets). If no ready order was recorded yet, takes parameter order, so
   // this rank joins the next rebuild as the others do. Python thread, between iterations.
   void shadow_backward();
 
@@ -139,8 +139,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // The last `last` completed iterations, oldest first (see Note [Timeline]). With a device
   // timeline, their times are the device's (see Note [Device timeline]): reading them waits for
-  // the slots' events, outside the Reducer's lock; an iteration whose slot is reused meanwhile
-  // keeps its host times. Python thread (without the GIL).
+  // the slots' events (at most 30 s), outside the Reducer's lock. All records of one call are on
+  // one clock: those whose device times cannot be read are left out, and if none can be, all
+  // come on the host's clock. Python thread (without the GIL).
   std::vector<IterationTimes> timeline(size_t last) const;
 
  private:

@@ -139,7 +139,13 @@ void Reducer::launch_bucket(size_t b) {
     bucket.work = allreduce_sum_async(group_, bucket.flat, done, [b] {
       return "pyreducer.allreduce.bucket_" + std::to_string(b);
     });
-    if (device) device->bucket_done(record_->slot, b, bucket.work->getFuture());
+    if (device) {
+      try {
+        device->bucket_done(record_->slot, b, bucket.work->getFuture());
+      } catch (const std::exception&) {
+        // A backend without futures: this bucket's device done time stays unrecorded.
+      }
+    }
     return;
   }
   GradBucketView view;

@@ -19,21 +19,28 @@ std::vector<IterationTimes> Reducer::timeline(size_t last) const {
     }
   }
   if (!device_timeline_) return result;
-  for (IterationTimes& times : result) {
-    // Waits for the slot's events: no lock held, so backward passes go on meanwhile.
+  // One clock per list: records whose device times cannot be read (their slot was reused
+  // meanwhile, or events did not complete in time) are left out; if none can be read (a peer
+  // failed, say), all are reported on the host's clock.
+  std::vector<IterationTimes> on_device;
+  for (const IterationTimes& host : result) {
     DeviceTimes device;
-    try {
-      device = device_timeline_->read(times.slot, params_.size(), times.times.bucket_ready_ns.size());
+    try {  // waits for the slot's events: no lock held, so backward passes go on meanwhile
+      device = device_timeline_->read(host.slot, params_.size(),
+                                      host.times.bucket_ready_ns.size());
     } catch (const std::exception&) {
-      continue;  // an event could not be read (e.g. the slot is being re-recorded): host times
+      break;  // timed out (later iterations would too) or unreadable
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    const IterationRecord* now = timeline_.at(times.slot);
-    if (now == nullptr || now->iteration != times.iteration || !now->complete) continue;
-    times.host = times.times;
-    times.times = anchor_device_times(times.host, device);
+    const IterationRecord* now = timeline_.at(host.slot);
+    if (now == nullptr || now->iteration != host.iteration || !now->complete) continue;
+    IterationTimes times = host;
+    times.host = host.times;
+    times.times = anchor_device_times(host.times, device);
     times.device_clock = true;
+    on_device.push_back(std::move(times));
   }
+  if (!on_device.empty()) result = std::move(on_device);
   return result;
 }
 

@@ -29,7 +29,8 @@ autotune) then uses device times. That path is compiled, not run: no GPU has run
 `model.overlap_stats()` derives, per iteration and averaged (milliseconds):
 
     backward_ms        backward_end - backward_start: autograd's compute, hooks included
-    comm_ms            per bucket, done - launch (includes queueing behind earlier buckets)
+    comm_ms            per bucket, done - launch (includes queueing behind earlier buckets);
+                       NaN where the completion was not recorded
     comm_busy_ms       length of the union of all [launch, done] intervals
     hidden_comm_ms     the part of that union inside [backward_start, backward_end]
     exposed_comm_ms    max(0, last done - backward_end): communication left after compute
@@ -94,18 +95,23 @@ def iteration_stats(record: dict) -> dict:
     ms = 1e-6
     start, end = record["backward_start_ns"], record["backward_end_ns"]
     buckets = record["buckets"]
+    # A completion is stamped by a callback, which can (rarely) run after the iteration was
+    # recorded as complete: a bucket without one (0) counts as not recorded, not as a negative span.
     spans = [(b["launch_ns"], b["done_ns"]) for b in buckets]
-    busy = _union_length(spans)
-    hidden = _union_length(_clip(spans, start, end))
-    last_done = max(done for _, done in spans)
+    recorded = [(launch, done) for launch, done in spans if launch and done >= launch]
+    busy = _union_length(recorded)
+    hidden = _union_length(_clip(recorded, start, end))
+    last_done = max((done for _, done in recorded), default=end)
     previous_done = buckets[-2]["done_ns"] if len(buckets) > 1 else 0
     # The last bucket's own done, not last_done: completion callbacks run on communication
     # threads and can stamp an earlier bucket a little after the last one.
-    last_service = buckets[-1]["done_ns"] - max(buckets[-1]["launch_ns"], previous_done)
+    last_service = buckets[-1]["done_ns"] - max(buckets[-1]["launch_ns"], previous_done) \
+        if spans[-1] in recorded else 0
     return dict(
         iteration=record["iteration"], rank=record["rank"],
         backward_ms=(end - start) * ms,
-        comm_ms=[(done - launch) * ms for launch, done in spans],
+        comm_ms=[(done - launch) * ms if (launch, done) in recorded else float("nan")
+                 for launch, done in spans],
         comm_busy_ms=busy * ms, hidden_comm_ms=hidden * ms,
         exposed_comm_ms=max(0, last_done - end) * ms,
         overlap_fraction=hidden / busy if busy > 0 else 1.0,

@@ -1,7 +1,10 @@
 // CUDA events for the device timeline (see Note [Device timeline] in device_timeline.h).
 // CUDA builds only. Compiled, not run: no GPU has run this yet.
 #include <atomic>
+#include <chrono>
 #include <memory>
+#include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include <ATen/core/ivalue.h>
@@ -40,11 +43,35 @@ struct Slot {
   std::unique_ptr<std::atomic<uint8_t>[]> recorded;  // fixed, then grad, ready, launch, done
 };
 
+// How long read() waits for a slot's events: they belong to completed iterations, so they are
+// normally done; if a peer died, the NCCL kernels (and the events after them) never finish, and
+// the timeline is then read on the host's clock instead of hanging (see Reducer::timeline).
+constexpr std::chrono::seconds kReadTimeout{30};
+
+// A stream of our own for the done events (not the shared pool's, where other users' work would
+// make it wait for unrelated kernels). Non-blocking: it never syncs with the legacy default
+// stream. Held by shared_ptr: a done callback that runs late keeps it alive.
+struct SideStream {
+  explicit SideStream(c10::DeviceIndex device) : device(device) {
+    const c10::cuda::CUDAGuard guard(device);
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+  }
+  ~SideStream() {
+    const c10::cuda::CUDAGuard guard(device);
+    cudaStreamDestroy(raw);  // enqueued work still completes; CUDA releases the stream after
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  c10::cuda::CUDAStream stream() const { return c10::cuda::getStreamFromExternal(raw, device); }
+
+  c10::DeviceIndex device;
+  cudaStream_t raw = nullptr;
+};
+
 class CudaTimeline : public DeviceTimeline {
  public:
   CudaTimeline(c10::DeviceIndex device, size_t slots, size_t num_params)
-      : device_(device), num_params_(num_params),
-        side_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)) {
+      : device_(device), num_params_(num_params), side_(std::make_shared<SideStream>(device)) {
     for (size_t s = 0; s < slots; ++s) slots_.push_back(std::make_shared<Slot>(num_params));
   }
 
@@ -77,9 +104,11 @@ class CudaTimeline : public DeviceTimeline {
     // The slot is held by shared_ptr: a late callback never touches freed events.
     std::shared_ptr<Slot> s = slots_[slot];
     const size_t flag = Slot::kFixed + 3 * num_params_ + b;
-    const c10::cuda::CUDAStream side = side_;
-    done->addCallback([s, b, flag, side](c10::ivalue::Future& future) {
+    std::shared_ptr<SideStream> owner = side_;
+    done->addCallback([s, b, flag, owner](c10::ivalue::Future& future) {
+      const c10::cuda::CUDAStream side = owner->stream();
       c10::cuda::CUDAStreamGuard guard(side);
+      s->launch[b].block(side);  // done never before launch, also for a future without events
       future.wait();  // completed: makes the side stream wait for the communication's events
       s->done[b].record(side);
       s->recorded[flag].store(1, std::memory_order_release);
@@ -117,7 +146,8 @@ class CudaTimeline : public DeviceTimeline {
     record(s, s.fixed[which], which);
   }
   // Milliseconds from the begin event to `event`, both waited for first (CUDAEvent::elapsed_time
-  // requires both completed, as torch's CudaTimer does); -1 if either was not recorded.
+  // requires both completed, as torch's CudaTimer does); -1 if either was not recorded. Throws if
+  // they do not complete within kReadTimeout.
   static double since_begin(Slot& s, at::cuda::CUDAEvent& event, size_t flag) {
     at::cuda::CUDAEvent& begin = s.fixed[Slot::kBegin];
     if (!s.recorded[Slot::kBegin].load(std::memory_order_acquire) ||
@@ -125,14 +155,27 @@ class CudaTimeline : public DeviceTimeline {
         !event.isCreated()) {
       return -1.0;
     }
-    begin.synchronize();
-    event.synchronize();
+    wait_bounded(begin);
+    wait_bounded(event);
     return static_cast<double>(begin.elapsed_time(event));
+  }
+
+  // cudaEventSynchronize has no timeout: poll instead, up to kReadTimeout.
+  static void wait_bounded(at::cuda::CUDAEvent& event) {
+    const auto deadline = std::chrono::steady_clock::now() + kReadTimeout;
+    while (!event.query()) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw std::runtime_error("pyreducer: device timeline events did not complete within " +
+                                 std::to_string(kReadTimeout.count()) +
+                                 " s (a peer may have failed)");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
   }
 
   c10::DeviceIndex device_;
   size_t num_params_;
-  c10::cuda::CUDAStream side_;  // done events: see bucket_done
+  std::shared_ptr<SideStream> side_;  // done events: see bucket_done
   std::vector<std::shared_ptr<Slot>> slots_;
 };
 

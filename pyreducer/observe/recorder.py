@@ -15,7 +15,8 @@ the Chrome trace, plots and summary (pyreducer/observe/report.py).
 
 The profile's forward_ms is the median synced forward; optimizer_ms is the rest of the step:
 from the end of one iteration's gradient write-back to the next synced forward (optimizer step,
-zero_grad, data loading).
+zero_grad, data loading). Both are host times, also on a GPU, where the timeline itself is on the
+device's clock (the write-back's host time is then taken from the record's "host" times).
 """
 from __future__ import annotations
 
@@ -85,9 +86,10 @@ class Recorder:
             if self.forward_ns else 0.0
         rest_ms = []
         for r in records:  # the first synced forward after this iteration's write-back
-            later = [s for s in starts if s > r["finalize_end_ns"]]
+            written_back = r.get("host", r)["finalize_end_ns"]  # host clock, as the forwards
+            later = [s for s in starts if s > written_back]
             if later:
-                rest_ms.append((later[0] - r["finalize_end_ns"]) / 1e6)
+                rest_ms.append((later[0] - written_back) / 1e6)
         profile = Profile.from_timeline(records, self.params.sizes_bytes, forward_ms,
                                         statistics.median(rest_ms) if rest_ms else 0.0,
                                         self.params.group_keys)

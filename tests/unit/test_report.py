@@ -76,3 +76,19 @@ def test_unusable_rank_files_are_named(tmp_path, files, words):
         (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
     with pytest.raises(InputError, match=words):
         report.report_dir(tmp_path)
+
+
+def test_overlap_stats_skip_a_bucket_whose_completion_was_not_recorded():
+    """A completion stamp comes from a callback that can run after the iteration was recorded:
+    such a bucket (done 0) is left out, not counted as a huge negative span."""
+    import math
+
+    from pyreducer.timeline import iteration_stats
+
+    record = _record(0)
+    complete = iteration_stats(record)
+    record["buckets"][0]["done_ns"] = 0
+    stats = iteration_stats(record)
+    assert math.isnan(stats["comm_ms"][0]) and stats["comm_ms"][1] == complete["comm_ms"][1]
+    assert 0 < stats["comm_busy_ms"] < complete["comm_busy_ms"]
+    assert stats["last_bucket_bound_ms"] == complete["last_bucket_bound_ms"]

@@ -14,6 +14,7 @@ import warnings
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
@@ -86,13 +87,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._params = self._collect_params()
         if init_sync:
             self._sync_at_construction(init_sync_buffers)
-        autotune_config, bucket_cap_mb = _autotune_request(bucket_cap_mb)
+        self._autotune_config, bucket_cap_mb = _autotune_request(bucket_cap_mb)
         self.bucket_caps_bytes = bucketing.caps_bytes(bucket_cap_mb, bucket_cap_mb_list)
         self.bucket_bytes_cap = max(self.bucket_caps_bytes)
-        self.reducer = self._build_reducer(bucket_plan, bool(bucket_cap_mb_list),
-                                           batched_grad_copy, timeline_iterations)
-        self._tuning = BucketTuning(self._params, self.reducer)
-        self._autotune = AutoTuner(autotune_config, self._tuning) if autotune_config else None
+        if bucket_plan is not None:
+            bucket_plan = bucketing.plan_from_names(bucket_plan, self._params.names)
+            sync.verify_same_plan(bucket_plan, self.process_group, self._params.device)
+        # What a pickled copy needs to build its Reducer again (see __setstate__).
+        self._reducer_settings = dict(plan=bucket_plan, caps_per_bucket=bool(bucket_cap_mb_list),
+                                      batched_grad_copy=batched_grad_copy,
+                                      timeline_iterations=timeline_iterations)
+        self._build_engine()
         self._recorder = self._start_recorder_if_asked()
 
     # -- construction steps ----------------------------------------------------------------------
@@ -112,11 +117,18 @@ class DistributedDataParallel(nn.Module, Joinable):
                                self.process_group, self._params.device)
         sync.broadcast_coalesced(self._params.states(with_buffers), self.process_group)
 
-    def _build_reducer(self, bucket_plan, caps_per_bucket: bool, batched_grad_copy: bool,
+    def _build_engine(self) -> None:
+        """The Reducer and what works on it (bucket tuning, autotune); no collective."""
+        self.reducer = self._build_reducer(**self._reducer_settings)
+        self._tuning = BucketTuning(self._params, self.reducer)
+        self._autotune = AutoTuner(self._autotune_config, self._tuning) \
+            if self._autotune_config else None
+
+    def _build_reducer(self, plan, caps_per_bucket: bool, batched_grad_copy: bool,
                        timeline_iterations: int):
         """The C++ Reducer with torch DDP's schedule: with a static graph or without
         unused-parameter search, one bucket for the first iteration, then a rebuild along the
-        observed ready order; a given bucket_plan is replayed as is."""
+        observed ready order; a given plan (parameter indices per bucket) is replayed as is."""
         params = self._params
         options = _C.ReducerOptions()
         options.find_unused_parameters = self.find_unused_parameters
@@ -125,17 +137,43 @@ class DistributedDataParallel(nn.Module, Joinable):
         options.batched_grad_copy = batched_grad_copy
         options.timeline_iterations = timeline_iterations
         options.rebuild_buckets = ((self.static_graph or not self.find_unused_parameters)
-                                   and bucket_plan is None)
+                                   and plan is None)
         options.rebuild_caps_bytes = self.bucket_caps_bytes
-        if bucket_plan is not None:
-            plan = bucketing.plan_from_names(bucket_plan, params.names)
-            sync.verify_same_plan(plan, self.process_group, params.device)
-        else:
+        if plan is None:
             plan = bucketing.initial_plan(params.sizes_bytes, params.group_keys,
                                           self.bucket_caps_bytes,
                                           one_bucket=options.rebuild_buckets and not caps_per_bucket)
         return _C.Reducer(list(params.tensors), list(params.names), plan, self.process_group,
                           options)
+
+    # -- pickling (torch.save, copy.deepcopy), as torch DDP ----------------------------------------
+    def __getstate__(self):
+        """The wrapper without its process group and engine, which __setstate__ builds again
+        (on the default group: only a wrapper on the default group can be pickled, as in DDP)."""
+        if self.process_group != _default_group():
+            raise RuntimeError(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default "
+                "process group. That is, when you have called init_process_group and have not "
+                "passed process_group argument to DDP constructor (pyreducer: this wrapper's "
+                "group has ranks "
+                f"{dist.get_process_group_ranks(self.process_group)}).")
+        state = dict(self.__dict__)
+        for name in ("process_group", "reducer", "_params", "_tuning", "_autotune", "_recorder"):
+            state.pop(name)
+        if self._recorder is not None:  # its forward hooks belong to this process's recording
+            state["_forward_pre_hooks"] = self._recorder.without_hooks(self._forward_pre_hooks)
+            state["_forward_hooks"] = self._recorder.without_hooks(self._forward_hooks)
+        return state
+
+    def __setstate__(self, state):
+        """A wrapper on the default process group with a fresh Reducer (torch DDP's schedule
+        from the start: one bucket, then a rebuild), its parameters neither checked nor
+        broadcast across ranks (as torch DDP: unpickling is not collective), and no recording."""
+        self.process_group = _default_group()
+        super().__setstate__(state)
+        self._params = self._collect_params()
+        self._build_engine()
+        self._recorder = None
 
     def _start_recorder_if_asked(self):
         out_dir = os.environ.get(TRACE_ENV)
@@ -304,6 +342,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         for name, buffer in module.named_buffers():
             if name in params_and_buffers_to_ignore:
                 buffer._ddp_ignored = True
+
+
+def _default_group():
+    """torch.distributed's default group (dist.group.WORLD), or a clear error without one."""
+    if not dist.is_initialized():
+        raise RuntimeError("DDP Pickling/Unpickling need the default process group: call "
+                           "torch.distributed.init_process_group(...) first.")
+    return dist.group.WORLD
 
 
 def _autotune_request(bucket_cap_mb):

@@ -52,6 +52,7 @@ class Recorder:
         self.clock_offset_ns = clock_offsets_ns(params.process_group, params.device)[self.rank]
         self.run_id = _run_id(params)
         self.forward_ns: collections.deque = collections.deque(maxlen=1024)  # (start, end) ns
+        self.hook_ids: set = set()  # the forward hooks attach() registered on the wrapper
         self._started = 0
         self.written: str | None = None
 
@@ -60,11 +61,16 @@ class Recorder:
         """Records `ddp` (collective: measures clock offsets); writes at exit or when `ddp` is
         freed, whichever comes first."""
         recorder = Recorder(params, reducer, out_dir, next(_wrappers_built))
-        ddp.register_forward_pre_hook(lambda module, args: recorder._forward_start())
-        ddp.register_forward_hook(lambda module, args, output: recorder._forward_end())
+        recorder.hook_ids = {
+            ddp.register_forward_pre_hook(lambda module, args: recorder._forward_start()).id,
+            ddp.register_forward_hook(lambda module, args, output: recorder._forward_end()).id}
         weakref.finalize(ddp, recorder.write)  # also runs at interpreter exit
         _attached.add(recorder)
         return recorder
+
+    def without_hooks(self, hooks: dict) -> dict:
+        """A copy of a module's hook dict without this recorder's hooks (for pickling)."""
+        return type(hooks)((key, hook) for key, hook in hooks.items() if key not in self.hook_ids)
 
     def _forward_start(self) -> None:
         self._started = _C.Reducer.now_ns()

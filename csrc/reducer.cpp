@@ -220,8 +220,9 @@ std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tens
 void Reducer::register_comm_hook(std::shared_ptr<CommHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (comm_hook_) {
-    throw std::runtime_error("pyreducer: a communication hook (" + comm_hook_->name() +
-                             ") is already registered; register_comm_hook can be called once");
+    throw std::runtime_error(
+        "register_comm_hook or register_builtin_comm_hook can only be called once. (pyreducer: " +
+        comm_hook_->name() + " is already registered)");
   }
   if (num_iterations_ > 0) {
     throw std::runtime_error("pyreducer: register_comm_hook must be called before the first "

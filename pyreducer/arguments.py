@@ -1,7 +1,8 @@
-"""torch DDP's constructor arguments, checked and resolved exactly as torch 2.13 DDP does.
+"""torch DDP's constructor arguments, checked and resolved as torch 2.13 DDP does.
 
-Each function takes the user's values and returns what the wrapper keeps, or raises an error
-that names the argument, what was expected and what was found.
+The checks run in torch DDP's order, raise torch's exception types, and start their messages
+with torch's words; pyreducer adds what it knows after them (which parameter, which devices).
+Each function takes the user's values and returns what the wrapper keeps.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP  # torch's, even if patched later
 
 # Arguments of torch DDP that pyreducer does not serve yet, with their defaults: passing another
 # value raises NotImplementedError naming the argument (nothing is ignored silently).
@@ -22,7 +24,12 @@ NOT_YET = {
 
 
 def refuse_unsupported(given: dict) -> None:
-    """Raises NotImplementedError for the first argument of NOT_YET given a non-default value."""
+    """torch's pairing check of the delayed all-reduce arguments (ValueError), then
+    NotImplementedError for the first argument of NOT_YET given a non-default value."""
+    if (given["delay_all_reduce_named_params"] is None) != \
+            (given["param_to_hook_all_reduce"] is None):
+        raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be "
+                         "set at the same time.")
     for name, default in NOT_YET.items():
         if given[name] != default:
             raise NotImplementedError(
@@ -36,52 +43,47 @@ def resolve_group(process_group, device_mesh):
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh is not None:
         if device_mesh.ndim != 1:
-            raise RuntimeError(f"Only a 1-D device mesh is supported, got {device_mesh.ndim}-D.")
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
         return device_mesh.get_group(mesh_dim=0)
     if process_group is not None:
         return process_group
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "pyreducer.DistributedDataParallel needs a process group: call "
-            "torch.distributed.init_process_group(...) first (or pass process_group=).")
+        raise ValueError("Default process group has not been initialized, please make sure to "
+                         "call init_process_group. (pyreducer: or pass process_group=)")
     return dist.group.WORLD
 
 
-def check_module(module: nn.Module, wrapper_types: tuple) -> None:
-    """Refuses a module that is already wrapped, or that has uninitialized (lazy) parameters."""
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    for name, sub in module.named_modules():
-        if isinstance(sub, wrapper_types + (TorchDDP,)):
-            where = "the module itself" if name == "" else f"its submodule '{name}'"
-            raise ValueError(
-                f"pyreducer.DistributedDataParallel cannot wrap a module that is already "
-                f"wrapped: {where} is a {type(sub).__module__}.{type(sub).__name__}. Wrap the "
-                f"plain module once.")
-    for name, param in module.named_parameters():
-        if isinstance(param, nn.parameter.UninitializedParameter):
-            raise RuntimeError(
-                f"Parameter {name} is uninitialized (lazy module): run a dummy forward pass "
-                f"before wrapping the module.")
+def module_parameters(module: nn.Module, ignored) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of the module's parameters that are not ignored, frozen ones included
+    (what torch DDP checks devices and initialization on); refuses a module with none that
+    requires a gradient."""
+    named = [(n, p) for n, p in module.named_parameters() if n not in ignored]
+    if not any(p.requires_grad for _, p in named):
+        raise RuntimeError(
+            "DistributedDataParallel is not needed when a module doesn't have any parameter "
+            "that requires a gradient. (pyreducer: none outside the ignored set "
+            f"{sorted(ignored)})")
+    return named
 
 
-def resolve_devices(module: nn.Module, device_ids, output_device):
+def resolve_devices(named: list, device_ids, output_device):
     """(device_ids, output_device) as device indices, or (None, None) for CPU and multi-device
     modules, as torch DDP."""
-    devices = {p.device for p in module.parameters()}
-    if len({d.type for d in devices}) != 1:
-        raise ValueError("pyreducer.DistributedDataParallel's module must be on one type of "
-                         f"device, found parameters on {sorted(str(d) for d in devices)}.")
     if device_ids is not None and len(device_ids) > 1:
-        raise ValueError("device_ids can only be None or contain a single element, "
-                         f"got {device_ids}.")
-    device_type = next(iter(devices)).type
-    if not device_ids or device_type == "cpu" or len(devices) > 1:
+        raise ValueError("device_ids can only be None or contain a single element. "
+                         f"(pyreducer: got {device_ids})")
+    devices = {p.device for _, p in named}
+    device_types = {p.device.type for _, p in named}  # built as torch builds it: same str()
+    if len(device_types) != 1:
+        raise ValueError("DistributedDataParallel's input module must be on the same type of "
+                         f"devices, but input module parameters locate in {device_types}. "
+                         f"(pyreducer: devices {sorted(str(d) for d in devices)})")
+    if not device_ids or next(iter(device_types)) == "cpu" or len(devices) > 1:
         if device_ids or output_device:
             raise ValueError(
-                "device_ids and output_device only work with single-device GPU modules; got "
-                f"device_ids={device_ids}, output_device={output_device} for a module on "
-                f"{sorted(str(d) for d in devices)}.")
+                "DistributedDataParallel device_ids and output_device arguments only work with "
+                "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
+                f"{device_ids}, output_device {output_device}, and module parameters {devices}.")
         return None, None
     ids = [_device_index(d) for d in device_ids]
     out = ids[0] if output_device is None else _device_index(output_device)
@@ -93,7 +95,8 @@ def _device_index(device) -> int:
 
 
 def resolve_buffer_sync(broadcast_buffers, forward_sync_buffers) -> tuple[bool, bool]:
-    """(forward_sync_buffers, init_sync_buffers), exactly as torch 2.13 DDP derives them."""
+    """(forward_sync_buffers, init_sync_buffers), exactly as torch 2.13 DDP derives them, with
+    its warnings."""
     if broadcast_buffers is not None:
         if forward_sync_buffers is not None:
             warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
@@ -101,8 +104,64 @@ def resolve_buffer_sync(broadcast_buffers, forward_sync_buffers) -> tuple[bool, 
                           "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=3)
         else:
             warnings.warn("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` "
-                          "instead (as in torch DDP 2.13).", FutureWarning, stacklevel=3)
+                          "instead. IMPORTANT: unlike `broadcast_buffers=False`, "
+                          "`forward_sync_buffers=False` still syncs buffers at init. If you rely "
+                          "on buffers NOT being synced at init (e.g. rank-local buffers), keep "
+                          "using `broadcast_buffers=False` until `init_sync_buffers` is "
+                          "available.", FutureWarning, stacklevel=3)
     if forward_sync_buffers is not None:
         return forward_sync_buffers, True
     effective = broadcast_buffers if broadcast_buffers is not None else True
     return effective, effective
+
+
+def warn_check_reduction(check_reduction: bool) -> None:
+    if check_reduction:
+        warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
+                      "deprecated. Please avoid using it.", FutureWarning, stacklevel=3)
+
+
+def check_comm_hook(hook) -> None:
+    """torch DDP's checks of a communication hook, with its exception types and messages: a
+    callable, whose annotations (if any) are a GradBucket argument named `bucket` and a
+    torch.futures.Future[torch.Tensor] result; torch's bf16 hook needs CUDA and NCCL 2.10+."""
+    import inspect
+
+    from pyreducer._ext import _C
+
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable. (pyreducer: got {type(hook)})")
+    signature = inspect.signature(hook)
+    bucket = signature.parameters.get("bucket")
+    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket,
+                                                        _C.GradBucket):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+    if signature.return_annotation not in (inspect.Signature.empty,
+                                           torch.futures.Future[torch.Tensor]):
+        raise ValueError("Communication hook: return annotation should be "
+                         "torch.futures.Future[torch.Tensor].")
+    if getattr(hook, "__name__", "") in ("bf16_compress_hook", "bf16_compress_wrapper_hook"):
+        nccl = dist.is_nccl_available() and torch.version.cuda is not None and \
+            torch.cuda.nccl.version() >= (2, 10)
+        if not nccl:
+            raise TypeError("BF16 all reduce communication hook required CUDA 11+ and NCCL 2.10+ "
+                            "or XPU and XCCL (pyreducer: its own bf16 hook runs anywhere: "
+                            "register_builtin_hook('bf16'))")
+
+
+def check_module(module: nn.Module, named: list, wrapper_types: tuple) -> None:
+    """Refuses uninitialized (lazy) parameters, as torch DDP; and (pyreducer) a module that is
+    already wrapped in a DDP, whose hooks would reduce every gradient twice."""
+    for name, param in named:
+        if isinstance(param, nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                "Modules with uninitialized parameters can't be used with "
+                "`DistributedDataParallel`. Run a dummy forward pass to correctly initialize the "
+                f"modules (pyreducer: parameter {name} is uninitialized)")
+    for name, sub in module.named_modules():
+        if isinstance(sub, wrapper_types + (TorchDDP,)):
+            where = "the module itself" if name == "" else f"its submodule '{name}'"
+            raise ValueError(
+                f"pyreducer.DistributedDataParallel cannot wrap a module that is already "
+                f"wrapped: {where} is a {type(sub).__module__}.{type(sub).__name__}. Wrap the "
+                f"plain module once.")

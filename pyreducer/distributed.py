@@ -10,7 +10,6 @@ timeline, tuning, tracing) get the ReducedParams (pyreducer.params) built here.
 from __future__ import annotations
 
 import os
-import warnings
 from contextlib import contextmanager
 
 import torch
@@ -62,19 +61,18 @@ class DistributedDataParallel(nn.Module, Joinable):
                  *, bucket_plan=None, timeline_iterations=_DEFAULTS.timeline_iterations):
         super().__init__()
         Joinable.__init__(self)
+        # torch DDP's checks, in its order (arguments.py).
         arguments.refuse_unsupported(dict(
             delay_all_reduce_named_params=delay_all_reduce_named_params,
             param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params))
-        if check_reduction:
-            warnings.warn("The `check_reduction` argument is deprecated (as in torch DDP) and "
-                          "has no effect.", FutureWarning, stacklevel=2)
         self.process_group = arguments.resolve_group(process_group, device_mesh)
-        arguments.check_module(module, (DistributedDataParallel,))
-        self.module = module
-        self.dim = dim
-        self.device_ids, self.output_device = arguments.resolve_devices(module, device_ids,
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = arguments.module_parameters(module, self.parameters_to_ignore)
+        self.device_ids, self.output_device = arguments.resolve_devices(named, device_ids,
                                                                         output_device)
+        self.dim = dim
+        self.module = module
         self.forward_sync_buffers, init_sync_buffers = arguments.resolve_buffer_sync(
             broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = find_unused_parameters
@@ -82,7 +80,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.static_graph = static_graph
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        arguments.warn_check_reduction(check_reduction)
+        arguments.check_module(module, named, (DistributedDataParallel,))
 
         self._params = self._collect_params()
         if init_sync:
@@ -102,13 +101,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- construction steps ----------------------------------------------------------------------
     def _collect_params(self) -> ReducedParams:
-        named = reduced_parameters(self.module, self.parameters_to_ignore)
-        if not named:
-            raise RuntimeError(
-                "pyreducer.DistributedDataParallel is not needed when a module doesn't have any "
-                "parameter that requires a gradient (found none outside the ignored set "
-                f"{sorted(self.parameters_to_ignore)}).")
-        return ReducedParams.of(named, self.process_group, self.module,
+        return ReducedParams.of(reduced_parameters(self.module, self.parameters_to_ignore),
+                                self.process_group, self.module,
                                 frozenset(self.parameters_to_ignore))
 
     def _sync_at_construction(self, with_buffers: bool) -> None:
@@ -277,8 +271,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         once. torch's hooks (torch.distributed.algorithms.ddp_comm_hooks) work unchanged. The
         hook runs with the GIL for its own call; the rest of the path stays in C++.
         """
-        if not callable(hook):
-            raise TypeError(f"register_comm_hook expects a callable hook, got {type(hook)}")
+        arguments.check_comm_hook(hook)
         self.reducer.register_comm_hook(state, hook)
 
     def register_builtin_hook(self, name: str) -> None:

@@ -126,18 +126,26 @@ def hook_path_worker(rank, world_size):
     def raising_hook(state, bucket):
         raise ValueError("boom")
 
+    def tensor_annotated(state, bucket) -> torch.Tensor:
+        return default_hooks.allreduce_hook(state, bucket)
+
     for key, hook, late in (("late", default_hooks.allreduce_hook, True),
                             ("raises", raising_hook, False),
-                            ("not_future", lambda state, bucket: bucket.buffer(), False)):
+                            ("not_future", lambda state, bucket: bucket.buffer(), False),
+                            ("not_callable", 3, False),
+                            ("bad_return_annotation", tensor_annotated, False),
+                            ("twice", default_hooks.allreduce_hook, False)):
         m = DistributedDataParallel(spec.build())
         try:
             if late:
                 spec.loss(m, spec.batch(gen, 4)).backward()
             m.register_comm_hook(None, hook)
+            if key == "twice":
+                m.register_comm_hook(None, hook)
             spec.loss(m, spec.batch(gen, 4)).backward()
             errors[key] = None
-        except (RuntimeError, ValueError) as error:
-            errors[key] = str(error)
+        except (RuntimeError, ValueError, TypeError) as error:
+            errors[key] = f"{type(error).__name__}: {error}"
     return dict(calls=calls, python_calls=ours, num_buckets=len(model.bucket_plan()),
                 errors=errors)
 
@@ -187,9 +195,16 @@ def test_python_hook_runs_once_per_bucket_and_nothing_else(hook_path):
         assert r["python_calls"] == []
 
 
-@pytest.mark.parametrize("key,words", [("late", "before the first synced forward"),
-                                       ("raises", "raised for bucket 0"),
-                                       ("not_future", "must return a torch.futures.Future")])
+@pytest.mark.parametrize("key,words", [
+    ("late", "before the first synced forward"),
+    ("raises", "raised for bucket 0"),
+    ("not_future", "must return a torch.futures.Future"),
+    # torch DDP's exception types and words
+    ("not_callable", "TypeError: Communication hook must be callable."),
+    ("bad_return_annotation", "ValueError: Communication hook: return annotation should be "
+                              "torch.futures.Future[torch.Tensor]."),
+    ("twice", "RuntimeError: register_comm_hook or register_builtin_comm_hook can only be "
+              "called once. (pyreducer: allreduce_hook is already registered)")])
 def test_hook_misuse_is_a_clear_error(hook_path, key, words):
     message = hook_path[0]["errors"][key]
     assert message is not None and words in message, message

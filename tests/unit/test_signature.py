@@ -39,10 +39,15 @@ def test_every_argument_is_either_supported_or_refused():
     assert sorted(names) == sorted(SUPPORTED + list(NOT_YET))
 
 
+# Arguments torch DDP only accepts together.
+PAIRED = ("delay_all_reduce_named_params", "param_to_hook_all_reduce")
+
+
 @pytest.mark.parametrize("name", sorted(NOT_YET))
 def test_unsupported_argument_raises_naming_it(name):
-    with pytest.raises(NotImplementedError, match=name):
-        DistributedDataParallel(torch.nn.Linear(2, 2), **{name: NOT_YET[name]})
+    given = {n: NOT_YET[n] for n in PAIRED} if name in PAIRED else {name: NOT_YET[name]}
+    with pytest.raises(NotImplementedError, match=name if name not in PAIRED else PAIRED[0]):
+        DistributedDataParallel(torch.nn.Linear(2, 2), **given)
 
 
 def test_ignore_helper_is_a_static_method_like_ddps():
@@ -55,6 +60,37 @@ def test_ignore_helper_is_a_static_method_like_ddps():
     assert not hasattr(module[0].weight, "_ddp_ignored")
 
 
-def test_no_process_group_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="init_process_group"):
+def test_no_process_group_is_torchs_error():
+    with pytest.raises(ValueError, match="Default process group has not been initialized"):
         DistributedDataParallel(torch.nn.Linear(2, 2))
+
+
+_GROUP = object()  # no check below reaches the process group
+CONSTRUCTION_ERRORS = {
+    "no_parameters": (lambda: torch.nn.Module(), {}),
+    "all_frozen": (lambda: torch.nn.Linear(2, 2).requires_grad_(False), {}),
+    "two_device_ids": (lambda: torch.nn.Linear(2, 2), dict(device_ids=[0, 1])),
+    "device_ids_on_cpu": (lambda: torch.nn.Linear(2, 2), dict(device_ids=[0])),
+    "output_device_on_cpu": (lambda: torch.nn.Linear(2, 2), dict(output_device=1)),
+    "two_device_types": (lambda: torch.nn.Sequential(torch.nn.Linear(2, 2),
+                                                     torch.nn.Linear(2, 2, device="meta")), {}),
+    "lazy": (lambda: torch.nn.LazyLinear(2), {}),
+    "delay_without_hook_param": (lambda: torch.nn.Linear(2, 2),
+                                 dict(delay_all_reduce_named_params=[])),
+    "group_and_mesh": (lambda: torch.nn.Linear(2, 2), dict(device_mesh=object())),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONSTRUCTION_ERRORS))
+def test_construction_errors_are_torchs(case):
+    """Same exception type as torch DDP's for the same mistake, its message first (pyreducer
+    may add detail after it), checked in the same order."""
+    make, kwargs = CONSTRUCTION_ERRORS[case]
+    errors = []
+    for cls in (TorchDDP, DistributedDataParallel):
+        with pytest.raises(Exception) as caught:
+            cls(make(), process_group=_GROUP, **kwargs)
+        errors.append(caught.value)
+    theirs, ours = errors
+    assert type(ours) is type(theirs), (theirs, ours)
+    assert str(ours).startswith(str(theirs)), (str(theirs), str(ours))

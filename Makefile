@@ -39,7 +39,7 @@ pytest: build
 # Everything: the C++ tests, then the three pytest layers (tests/conftest.py describes them).
 test: cpp-test pytest
 
-# The unit layer alone: no processes, seconds.
+# The unit layer alone: no spawned ranks (a few short subprocesses), seconds.
 test-fast: build
 	$(VPY) -m pytest -q $(PYTEST_ARGS) tests/unit
 

@@ -12,7 +12,7 @@ import os
 import re
 
 from pyreducer import timeline as timeline_module
-from pyreducer.observe import InputError
+from pyreducer.observe import InputError, output_dir
 from pyreducer.observe.trace import chrome_trace, shift_record
 
 RANK_FILE = re.compile(r"rank(\d+)(?:\.model(\d+))?\.json$")
@@ -46,7 +46,7 @@ def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = No
     """
     from pyreducer.observe import plot
 
-    os.makedirs(out_dir, exist_ok=True)
+    output_dir(out_dir, "output folder")
     paths = {name: os.path.join(out_dir, name) for name in
              ("trace.json", "timeline.json", "summary.txt")}
     with open(paths["trace.json"], "w") as f:

@@ -6,7 +6,7 @@ import glob
 import os
 import sys
 
-from pyreducer.observe import InputError
+from pyreducer.observe import InputError, output_dir
 from pyreducer.testing.models import SPECS
 
 MODELS = sorted(SPECS)
@@ -42,7 +42,7 @@ def trace_main(args) -> int:
 
     print(f"pyreducer trace: model '{args.model}', {args.nproc} local Gloo ranks, "
           f"bucket_cap_mb={args.bucket_cap_mb}, {args.steps} steps", flush=True)
-    os.makedirs(args.out, exist_ok=True)
+    output_dir(args.out, "--out")
     for stale in glob.glob(os.path.join(args.out, "rank*.json")):
         os.remove(stale)
     run_ranks(trace_worker, args.nproc, timeout_s=args.timeout,
@@ -93,7 +93,7 @@ def simulate_main(args) -> int:
     print(simulate.format_rows(rows))
     base = args.profile if os.path.isdir(args.profile) else os.path.dirname(args.profile)
     png = args.out or os.path.join(base, "simulate.png")
-    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+    output_dir(os.path.dirname(os.path.abspath(png)), "--out")
     with open(os.path.splitext(png)[0] + ".json", "w") as f:
         json.dump(rows, f, indent=1)
     print(f"wrote {os.path.splitext(png)[0]}.json")
@@ -109,6 +109,7 @@ def simulate_main(args) -> int:
 def demo_main(args) -> int:
     from pyreducer.tools import demo
 
+    output_dir(args.out, "--out")  # before training, not after
     return demo.main(nproc=args.nproc, steps=args.steps, model=args.model, out=args.out)
 
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import os
 
+from pyreducer.bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 from pyreducer.observe import InputError
 from pyreducer.tuning import planner, stepmodel
 from pyreducer.tuning.linkmodel import LinkModel
 
-DEFAULT_CAPS = [1 << 20, 25 << 20]
+DEFAULT_CAPS = [DEFAULT_FIRST_BUCKET_CAP_BYTES, DEFAULT_BUCKET_CAP_BYTES]  # torch DDP's
 
 
 PRODUCERS = ("`python -m pyreducer trace --out DIR`, `python -m pyreducer report DIR` (after "

@@ -53,6 +53,10 @@ def _cli(args, cwd):
     (["simulate", "--profile", "bad.json"], "python -m pyreducer trace"),
     (["report", "empty"], "PYREDUCER_TRACE=empty torchrun"),
     (["simulate", "--profile", "profile.json", "--ranks", "2,x"], "--ranks expects"),
+    (["trace", "--out", "bad.json"], "--out bad.json: a file is in the way"),
+    (["demo", "--out", "bad.json"], "--out bad.json: a file is in the way"),
+    (["simulate", "--profile", "profile.json", "--out", "bad.json/sim.png"],
+     "a file is in the way"),
 ])
 def test_unusable_input_is_one_line_naming_the_producer(tmp_path, monkeypatch, capsys, args,
                                                        producer):

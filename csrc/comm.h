@@ -26,14 +26,17 @@ WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
 
 // Overwrites `values` on every rank with rank `root`'s (same length on every rank). The values
 // travel on `device`, the parameters' (an NCCL group broadcasts device tensors only), and are
-// read back with a blocking copy: on NCCL, wait() only makes the current stream wait. Blocking,
-// bounded by the process group's timeout. Python thread.
+// read back with a blocking copy: on NCCL, wait() only makes the current stream wait. Blocking;
+// on Gloo (or NCCL with TORCH_NCCL_BLOCKING_WAIT=1) bounded by the process group's timeout, on
+// NCCL otherwise by its watchdog (README, "When a peer fails on NCCL"). Python thread.
 void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values, int64_t root,
                       c10::Device device);
 
-// Blocks until `work` completes. The wait is bounded by the process group's timeout; on failure
-// it throws std::runtime_error whose message starts with `what` (e.g. "all-reduce of bucket 3")
-// and names this rank.
+// Blocks until `work` completes. On Gloo (and NCCL with TORCH_NCCL_BLOCKING_WAIT=1) the wait is
+// bounded by the process group's timeout, and on failure it throws std::runtime_error whose
+// message starts with `what` (e.g. "all-reduce of bucket 3") and names this rank. On NCCL
+// otherwise wait() only makes the current stream wait and returns at once: a failed collective
+// is the watchdog's to report (README, "When a peer fails on NCCL").
 void wait_or_throw(const WorkPtr& work, const ProcessGroupPtr& group, const std::string& what);
 
 }  // namespace pyreducer

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -50,28 +51,27 @@ constexpr std::chrono::seconds kReadTimeout{30};
 
 // A stream of our own for the done events (not the shared pool's, where other users' work would
 // make it wait for unrelated kernels). Non-blocking: it never syncs with the legacy default
-// stream. Held by shared_ptr: a done callback that runs late keeps it alive.
-struct SideStream {
-  explicit SideStream(c10::DeviceIndex device) : device(device) {
+// stream. One per device for the life of the process, never destroyed (as torch's pool
+// streams): the done callback's future.wait() records every storage the future holds (bucket
+// buffers, NCCL outputs) on this stream for the caching allocator, which records an event on
+// the stream when such a storage is freed, possibly long after the Reducer is gone. Destroying
+// the stream with its Reducer would make that event record fail inside the allocator's deleter.
+c10::cuda::CUDAStream side_stream(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::vector<cudaStream_t> streams;  // by device index; leaked on purpose (see above)
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<size_t>(device) >= streams.size()) streams.resize(device + 1, nullptr);
+  if (streams[device] == nullptr) {
     const c10::cuda::CUDAGuard guard(device);
-    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[device], cudaStreamNonBlocking));
   }
-  ~SideStream() {
-    const c10::cuda::CUDAGuard guard(device);
-    cudaStreamDestroy(raw);  // enqueued work still completes; CUDA releases the stream after
-  }
-  SideStream(const SideStream&) = delete;
-  SideStream& operator=(const SideStream&) = delete;
-  c10::cuda::CUDAStream stream() const { return c10::cuda::getStreamFromExternal(raw, device); }
-
-  c10::DeviceIndex device;
-  cudaStream_t raw = nullptr;
-};
+  return c10::cuda::getStreamFromExternal(streams[device], device);
+}
 
 class CudaTimeline : public DeviceTimeline {
  public:
   CudaTimeline(c10::DeviceIndex device, size_t slots, size_t num_params)
-      : device_(device), num_params_(num_params), side_(std::make_shared<SideStream>(device)) {
+      : device_(device), num_params_(num_params), side_(side_stream(device)) {
     for (size_t s = 0; s < slots; ++s) slots_.push_back(std::make_shared<Slot>(num_params));
   }
 
@@ -104,9 +104,8 @@ class CudaTimeline : public DeviceTimeline {
     // The slot is held by shared_ptr: a late callback never touches freed events.
     std::shared_ptr<Slot> s = slots_[slot];
     const size_t flag = Slot::kFixed + 3 * num_params_ + b;
-    std::shared_ptr<SideStream> owner = side_;
-    done->addCallback([s, b, flag, owner](c10::ivalue::Future& future) {
-      const c10::cuda::CUDAStream side = owner->stream();
+    const c10::cuda::CUDAStream side = side_;
+    done->addCallback([s, b, flag, side](c10::ivalue::Future& future) {
       c10::cuda::CUDAStreamGuard guard(side);
       s->launch[b].block(side);  // done never before launch, also for a future without events
       future.wait();  // completed: makes the side stream wait for the communication's events
@@ -175,7 +174,7 @@ class CudaTimeline : public DeviceTimeline {
 
   c10::DeviceIndex device_;
   size_t num_params_;
-  std::shared_ptr<SideStream> side_;  // done events: see bucket_done
+  c10::cuda::CUDAStream side_;  // done events: see bucket_done and side_stream()
   std::vector<std::shared_ptr<Slot>> slots_;
 };
 

@@ -146,7 +146,14 @@ class AutoTuner:
     def _advance(self) -> None:
         config = self.config
         if self.phase is Phase.WARMUP and self.synced > config.warmup_iterations:
-            self.link = self.tuning.probe()
+            if self.tuning.params.world_size < 2:
+                self._keep_current("one rank: no communication to tune")
+                return
+            try:
+                self.link = self.tuning.probe()
+            except ValueError as error:  # e.g. times that do not grow with size; every rank
+                self._keep_current(f"link probe unusable: {error}")  # sees the slowest's
+                return
             self._note("link", latency_us=self.link.latency_s * 1e6,
                        bandwidth_gbit=self.link.bandwidth_bytes_per_s * 8 / 1e9,
                        contention=self.link.contention)  # latency: under load on CPU
@@ -169,6 +176,11 @@ class AutoTuner:
             self._note("confirmed", plan=name, step_ms=statistics.median(pooled) * 1e3,
                        steps=len(pooled))
             self._next_candidate()
+
+    def _keep_current(self, why: str) -> None:
+        """Ends tuning with the plan in force (the same decision on every rank)."""
+        self.phase = Phase.DONE
+        self._note("chosen", plan="start", reason=why, buckets=len(self.tuning.current_plan()))
 
     def _record(self, name: str, plan: list[list[int]]) -> None:
         """Adds this phase's step times to plan `name`'s."""

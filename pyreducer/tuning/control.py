@@ -2,6 +2,8 @@
 profile(), plan_buckets(), apply_bucket_plan() and autotune delegate to."""
 from __future__ import annotations
 
+import warnings
+
 from pyreducer import bucketing, sync
 from pyreducer import timeline as timeline_module
 from pyreducer.tuning import planner, stepmodel
@@ -25,6 +27,11 @@ class BucketTuning:
         if not records:
             raise RuntimeError("profile(): no recorded iteration yet (run a synced step first, "
                                "with timeline_iterations > 0)")
+        if self.params.device.type != "cpu" and any(r.get("clock") != "device" for r in records):
+            warnings.warn("profile(): the device timeline could not be read (its events did not "
+                          "complete in time), so this profile holds host enqueue times, which "
+                          "understate communication on a GPU; plans made from it may be poor",
+                          RuntimeWarning, stacklevel=2)
         return stepmodel.Profile.from_timeline(records, self.params.sizes_bytes, forward_ms,
                                                optimizer_ms, self.params.group_keys)
 

@@ -78,6 +78,7 @@ def test_copy_in_on_a_side_stream_is_ordered_by_that_stream():
     grads, offsets, total = _grads(torch.float32, "contiguous")
     flat = torch.zeros(total, device="cuda")
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the zero fill above is on the default stream
     with torch.cuda.stream(side):
         torch.ops.pyreducer.bucket_copy_in(flat, grads, offsets, 3.0)
         copied = flat[offsets[-1]:offsets[-1] + grads[-1].numel()].clone()

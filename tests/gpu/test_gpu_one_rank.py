@@ -59,5 +59,7 @@ def test_unused_parameters_match_torch_ddp(run):
 
 
 def test_autotune_decides(run):
-    events = [e["event"] for e in run["autotune_log"]]
-    assert events[0] == "link" and events[-1] == "chosen"
+    # One rank: nothing to tune (NCCL's one-rank all-reduce takes no time that grows with size,
+    # so a link probe could not be fitted); the probe itself is checked with 2+ GPUs.
+    log = run["autotune_log"]
+    assert [e["event"] for e in log] == ["chosen"] and "one rank" in log[0]["reason"], log

@@ -91,3 +91,51 @@ def test_autotune_confirms_a_close_call_and_still_decides(tuned):
         assert chosen["plan"] in {e["plan"] for e in confirmed}
         for step, (a, b) in enumerate(zip(r["untuned"]["grads"], r["auto_confirm"]["grads"])):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}"
+
+
+def one_rank_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing import models
+
+    spec = models.spec("mlp")
+    model = DistributedDataParallel(spec.build(), bucket_cap_mb="auto")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        spec.loss(model, spec.batch(gen, 8)).backward()
+    return model.autotune_log
+
+
+def test_autotune_on_one_rank_keeps_the_plan_without_probing():
+    # With one rank there is nothing to tune (and an in-place one-rank all-reduce takes no time
+    # that grows with size, so the link fit would fail): it decides at once, probing nothing.
+    from pyreducer.testing import run_ranks
+
+    log = run_ranks(one_rank_worker, 1, timeout_s=120)[0]
+    assert [e["event"] for e in log] == ["chosen"], log
+    assert log[0]["plan"] == "start" and "one rank" in log[0]["reason"]
+
+
+class _FailingProbe:
+    """A BucketTuning stand-in whose link probe fails as fit_link_model does."""
+
+    class params:  # noqa: N801 - attribute bag
+        world_size, rank, process_group, device = 2, 1, None, torch.device("cpu")
+
+    def probe(self):
+        raise ValueError("link fit failed: times do not grow with size ([1e-05, 1e-05])")
+
+    def current_plan(self):
+        return [[1, 0]]
+
+
+def test_autotune_keeps_the_plan_when_the_link_probe_is_unusable(monkeypatch):
+    from pyreducer import sync
+    from pyreducer.tuning.autotune import AutotuneConfig, AutoTuner, Phase
+
+    monkeypatch.setattr(sync, "slowest", lambda seconds, group, device: seconds)
+    tuner = AutoTuner(AutotuneConfig(warmup_iterations=1), _FailingProbe())
+    for _ in range(3):
+        tuner.before_forward()
+    assert tuner.phase is Phase.DONE
+    assert [e["event"] for e in tuner.log] == ["chosen"]
+    assert "times do not grow with size" in tuner.log[0]["reason"]

@@ -17,14 +17,19 @@ namespace {
 py::list assign_buckets_py(const std::vector<int64_t>& sizes_bytes,
                            const std::vector<std::string>& group_keys,
                            const std::vector<int64_t>& walk_order,
-                           const std::vector<int64_t>& caps_bytes) {
-  if (sizes_bytes.size() != group_keys.size()) {
-    throw std::invalid_argument("assign_buckets: expected one group key per size, got " +
-                                std::to_string(group_keys.size()) + " keys for " +
+                           const std::vector<int64_t>& caps_bytes,
+                           const std::vector<bool>& sparse) {
+  if (sizes_bytes.size() != group_keys.size() ||
+      (!sparse.empty() && sparse.size() != sizes_bytes.size())) {
+    throw std::invalid_argument("assign_buckets: expected one group key per size (and one "
+                                "sparse flag, if any), got " + std::to_string(group_keys.size()) +
+                                " keys and " + std::to_string(sparse.size()) + " flags for " +
                                 std::to_string(sizes_bytes.size()) + " sizes");
   }
   std::vector<ParamSpec> params(sizes_bytes.size());
-  for (size_t i = 0; i < params.size(); ++i) params[i] = ParamSpec{sizes_bytes[i], group_keys[i]};
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i] = ParamSpec{sizes_bytes[i], group_keys[i], !sparse.empty() && sparse[i]};
+  }
   py::list result;
   for (const BucketSpec& bucket : assign_buckets(params, walk_order, caps_bytes)) {
     py::dict entry;
@@ -150,7 +155,7 @@ void bind_planner(py::module_& m) {
   m.attr("WITH_CUDA") = false;
 #endif
   m.def("assign_buckets", &assign_buckets_py, py::arg("sizes_bytes"), py::arg("group_keys"),
-        py::arg("walk_order"), py::arg("caps_bytes"),
+        py::arg("walk_order"), py::arg("caps_bytes"), py::arg("sparse") = std::vector<bool>{},
         "Partition parameters into buckets; see csrc/bucketing.h.");
   m.def("reverse_order", &reverse_order, py::arg("num_params"));
   m.def("group_key", &group_key, py::arg("tensor"),
@@ -169,7 +174,33 @@ void bind_options(py::module_& m) {
       .def_readwrite("rebuild_buckets", &ReducerOptions::rebuild_buckets)
       .def_readwrite("rebuild_caps_bytes", &ReducerOptions::rebuild_caps_bytes)
       .def_readwrite("batched_grad_copy", &ReducerOptions::batched_grad_copy)
-      .def_readwrite("timeline_iterations", &ReducerOptions::timeline_iterations);
+      .def_readwrite("timeline_iterations", &ReducerOptions::timeline_iterations)
+      .def_readwrite("sparse_params", &ReducerOptions::sparse_params)
+      .def_readwrite("skip_all_reduce_unused_params",
+                     &ReducerOptions::skip_all_reduce_unused_params);
+}
+
+// A BackwardStats as a dict (see csrc/reducer.h; read by pyreducer/ddp_logging.py).
+py::dict backward_stats(const Reducer& reducer) {
+  const BackwardStats stats = reducer.last_backward_stats();
+  py::dict entry;
+  entry["iteration"] = stats.iteration;
+  entry["backward_start_ns"] = stats.backward_start_ns;
+  entry["comm_start_ns"] = stats.comm_start_ns;
+  entry["backward_end_ns"] = stats.backward_end_ns;
+  entry["comm_end_ns"] = stats.comm_end_ns;
+  entry["buckets_reduced"] = stats.buckets_reduced;
+  entry["ready_order"] = stats.ready_order;
+  entry["unused"] = stats.unused;
+  return entry;
+}
+
+AveragingHook::Post post_op(const std::string& name) {
+  if (name == "none") return AveragingHook::Post::kNone;
+  if (name == "multiply") return AveragingHook::Post::kMultiply;
+  if (name == "divide") return AveragingHook::Post::kDivide;
+  throw std::invalid_argument("averaging hook: expected post 'none', 'multiply' or 'divide', "
+                              "got '" + name + "'");
 }
 
 // torch DDP's GradBucket, as Python communication hooks see it.
@@ -203,6 +234,26 @@ void bind_reducer(py::module_& m) {
            [](Reducer& reducer, ProcessGroupPtr group, const std::string& name) {
              reducer.register_comm_hook(builtin_hook(std::move(group), name));
            })
+      .def("register_averaging_hook",
+           [](Reducer& reducer, ProcessGroupPtr group, std::optional<at::ScalarType> dtype,
+              double pre_multiplier, const std::string& post, double post_value,
+              const std::string& name) {
+             AveragingHook::Options options;
+             options.reduce_dtype = dtype;
+             options.pre_multiplier = pre_multiplier;
+             options.post = post_op(post);
+             options.post_value = post_value;
+             options.name = name;
+             reducer.register_comm_hook(std::make_shared<AveragingHook>(std::move(group), options));
+           },
+           py::arg("process_group"), py::arg("reduce_dtype"), py::arg("pre_multiplier"),
+           py::arg("post"), py::arg("post_value"), py::arg("name"),
+           "See AveragingHook in csrc/comm_hook.h.")
+      .def("set_static_graph", &Reducer::set_static_graph, py::arg("rebuild"))
+      .def("divide_next_backward_by", &Reducer::divide_next_backward_by, py::arg("ranks"))
+      .def_property_readonly("num_iterations", &Reducer::num_iterations)
+      .def("backward_stats", &backward_stats)
+      .def("last_error", &Reducer::last_error)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("note_unsynced_forward", &Reducer::note_unsynced_forward)

@@ -31,7 +31,9 @@ int64_t size_bytes(const at::Tensor& tensor) {
 
 BucketSet make_buckets(const std::vector<at::Tensor>& params,
                        const std::vector<std::string>& param_names,
-                       const std::vector<std::vector<int64_t>>& plan) {
+                       const std::vector<std::vector<int64_t>>& plan,
+                       const std::vector<uint8_t>& sparse) {
+  auto is_sparse = [&](int64_t i) { return !sparse.empty() && sparse[i]; };
   BucketSet set;
   set.locations.resize(params.size());
   std::vector<uint8_t> placed(params.size(), 0);
@@ -56,11 +58,25 @@ BucketSet make_buckets(const std::vector<at::Tensor>& params,
                                     describe(param_names[i], params[i]) + " with " +
                                     describe(param_names[first_index], params[first_index]));
       }
+      if (is_sparse(i) && bucket.param_indices.size() > 1) {
+        throw std::invalid_argument("bucket plan: bucket " + std::to_string(b) + " holds " +
+                                    param_names[i] + ", which produces sparse gradients and "
+                                    "needs a bucket of its own, with " +
+                                    std::to_string(bucket.param_indices.size() - 1) + " other(s)");
+      }
       placed[i] = 1;
       set.locations[i] = SlotLocation{b, k};
       numel += params[i].numel();
     }
     const at::Tensor& first = params[first_index];
+    if (is_sparse(first_index)) {
+      bucket.sparse = true;
+      bucket.size_bytes = size_bytes(first);
+      bucket.offsets.push_back(0);
+      bucket.pending = 1;
+      set.buckets.push_back(std::move(bucket));
+      continue;
+    }
     bucket.flat = at::zeros({numel}, first.options().requires_grad(false));
     bucket.size_bytes = numel * static_cast<int64_t>(first.element_size());
     int64_t offset = 0;

@@ -26,12 +26,18 @@
 namespace pyreducer {
 
 struct Bucket {
-  at::Tensor flat;                     // the bucket: one buffer, all-reduced as a whole
+  // The bucket: one buffer, all-reduced as a whole. A sparse bucket (one parameter that produces
+  // sparse gradients) has no buffer of its own: flat is that parameter's .grad while an
+  // iteration reduces it (divided in place, reduced, written back), as in torch DDP.
+  at::Tensor flat;
+  bool sparse = false;
   std::vector<int64_t> param_indices;  // slot order
   std::vector<at::Tensor> views;       // views[k]: slot of param_indices[k], shaped like it
+                                       // (none in a sparse bucket)
   std::vector<int64_t> offsets;        // offsets[k]: first element of views[k] in flat
   int64_t size_bytes = 0;
   size_t pending = 0;                  // slots not yet filled this iteration
+  bool skipped = false;                // not reduced this iteration (skip_all_reduce_unused_params)
   WorkPtr work;                        // in-flight all-reduce (no hook), null when not launched
   c10::intrusive_ptr<c10::ivalue::Future> future;  // in-flight hook result (with a hook)
   std::vector<c10::Stream> copy_streams;  // see Note [Streams of a bucket]
@@ -49,12 +55,14 @@ struct BucketSet {
 
 // Allocates one zeroed flat buffer per entry of `plan` (launch order; each entry lists parameter
 // indices in slot order) and a view per slot, laid out like its parameter (dense parameters keep
-// their strides, so gradients keep the parameter's memory format).
+// their strides, so gradients keep the parameter's memory format). Parameters flagged in
+// `sparse` (per parameter; empty: none) form sparse buckets, one parameter each, without buffer.
 // Throws std::invalid_argument naming the parameter if the plan is not a partition of all
-// parameters or a bucket mixes dtypes or devices.
+// parameters, a bucket mixes dtypes or devices, or a sparse parameter shares a bucket.
 BucketSet make_buckets(const std::vector<at::Tensor>& params,
                        const std::vector<std::string>& param_names,
-                       const std::vector<std::vector<int64_t>>& plan);
+                       const std::vector<std::vector<int64_t>>& plan,
+                       const std::vector<uint8_t>& sparse);
 
 // "dtype/device" of a tensor: parameters with different keys never share a bucket. The one
 // definition (Python reads it as pyreducer._C.group_key).

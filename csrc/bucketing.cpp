@@ -64,6 +64,13 @@ std::vector<BucketSpec> assign_buckets(const std::vector<ParamSpec>& params,
   std::map<std::string, OpenBucket> open;
   for (size_t position = 0; position < walk_order.size(); ++position) {
     const int64_t index = walk_order[position];
+    if (params[index].sparse) {
+      BucketSpec alone;
+      alone.param_indices = {index};
+      alone.size_bytes = params[index].size_bytes;
+      done.emplace_back(static_cast<int64_t>(position), std::move(alone));
+      continue;
+    }
     OpenBucket& bucket = open[params[index].group_key];
     bucket.spec.param_indices.push_back(index);
     bucket.spec.size_bytes += params[index].size_bytes;

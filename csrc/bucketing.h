@@ -27,6 +27,7 @@ constexpr int64_t kDefaultBucketCapBytes = 25 * 1024 * 1024;
 struct ParamSpec {
   int64_t size_bytes = 0;  // numel * element size
   std::string group_key;   // e.g. "float32/cpu"; parameters with different keys never share a bucket
+  bool sparse = false;     // produces sparse gradients (nn.Embedding(sparse=True)): a bucket of its own
 };
 
 struct BucketSpec {
@@ -40,7 +41,9 @@ struct BucketSpec {
 // Walks `walk_order` (a permutation of 0..params.size()-1); for each group key, parameters are
 // appended to that group's open bucket, which is closed once its size reaches the cap in force.
 // The i-th bucket closed in a group uses caps_bytes[i], or the last entry once the list runs out
-// (so {1 MiB, 25 MiB} means "first bucket 1 MiB, the rest 25 MiB").
+// (so {1 MiB, 25 MiB} means "first bucket 1 MiB, the rest 25 MiB"). A sparse parameter gets a
+// bucket of its own, closed at its walk position; it neither joins nor closes its group's open
+// bucket, and counts for no cap (as torch DDP's compute_bucket_assignment_by_size).
 //
 // Buckets come back in launch order: sorted by the walk position of their last parameter (the
 // moment the whole bucket can be ready if gradients arrive in walk order), ties kept stable.

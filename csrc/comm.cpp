@@ -12,7 +12,7 @@
 namespace pyreducer {
 
 WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
-                            std::atomic<int64_t>* done_ns,
+                            std::shared_ptr<std::atomic<int64_t>> done_ns,
                             const std::function<std::string()>& label) {
   c10::intrusive_ptr<torch::autograd::profiler::PythonRecordFunction> range;
   if (label && at::hasCallbacks()) {

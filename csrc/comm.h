@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -18,10 +19,12 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 // Launches an asynchronous SUM all-reduce of `flat` on `group` and returns its work handle at
 // once. Every rank must call it for the same buckets in the same order. Any thread.
 // If `done_ns` is given, the completion time (Timeline::now_ns) is stored there from the
-// communication thread when the work's future completes. If a torch profiler is active, a range
-// named `label` spans launch to completion (`label` is only built then).
+// communication thread when the work's future completes; the callback keeps `done_ns` alive
+// (it may run after the caller has seen the work complete, even after the caller is gone). If
+// a torch profiler is active, a range named `label` spans launch to completion (`label` is only
+// built then).
 WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
-                            std::atomic<int64_t>* done_ns = nullptr,
+                            std::shared_ptr<std::atomic<int64_t>> done_ns = nullptr,
                             const std::function<std::string()>& label = {});
 
 // Overwrites `values` on every rank with rank `root`'s (same length on every rank). The values

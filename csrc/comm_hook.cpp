@@ -50,4 +50,33 @@ FuturePtr CompressHook::run(GradBucketView& bucket) {
       c10::TensorType::get());
 }
 
+AveragingHook::AveragingHook(ProcessGroupPtr group, Options options)
+    : group_(std::move(group)), options_(std::move(options)) {
+  if (options_.post == Post::kDivide && options_.post_value == 0.0) {
+    throw std::invalid_argument("AveragingHook: expected a non-zero divisor, got 0");
+  }
+}
+
+FuturePtr AveragingHook::run(GradBucketView& bucket) {
+  at::NoGradGuard no_grad;
+  at::Tensor reduced = bucket.buffer;
+  if (options_.reduce_dtype && reduced.scalar_type() != *options_.reduce_dtype) {
+    reduced = reduced.to(*options_.reduce_dtype);
+  }
+  if (options_.pre_multiplier != 1.0) reduced.mul_(wrapped_scalar(options_.pre_multiplier));
+  WorkPtr work = allreduce_sum_async(group_, reduced);
+  const Options options = options_;
+  // The callback runs once the sum is done (on CUDA: on a stream that waited for it; see
+  // CompressHook::run).
+  return work->getFuture()->then(
+      [reduced, options](c10::ivalue::Future& /*done*/) -> c10::IValue {
+        at::NoGradGuard no_grad;
+        at::Tensor t = reduced;
+        if (options.post == Post::kMultiply) t.mul_(wrapped_scalar(options.post_value));
+        if (options.post == Post::kDivide) t.div_(wrapped_scalar(options.post_value));
+        return c10::IValue(t);
+      },
+      c10::TensorType::get());
+}
+
 }  // namespace pyreducer

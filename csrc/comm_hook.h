@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,33 @@ class CompressHook : public CommHook {
  private:
   ProcessGroupPtr group_;
   at::ScalarType dtype_;
+};
+
+// Built-in hook that reduces each bucket with a chosen precision and scaling, no Python:
+//   t = bucket (cast to reduce_dtype if given and different); t *= pre_multiplier (if not 1);
+//   SUM all-reduce of t; then t *= post_value (kMultiply) or t /= post_value (kDivide);
+// the reduced bucket is t (the Reducer copies it back into the bucket's dtype). It serves
+// torch DDP's mixed_precision (reduce_dtype, divide by the world size after the sum, as torch's
+// _reducer_allreduce_and_upcast_hook), Apex's allreduce_bucket (float32, 1/f before, f/world
+// after) and pyreducer's own gradient_predivide_factor / reduce_dtype. Each scalar is a wrapped
+// CPU double, so the rounding is that of the same Python expressions on a tensor.
+class AveragingHook : public CommHook {
+ public:
+  enum class Post { kNone, kMultiply, kDivide };
+  struct Options {
+    std::optional<at::ScalarType> reduce_dtype;
+    double pre_multiplier = 1.0;
+    Post post = Post::kNone;
+    double post_value = 1.0;
+    std::string name = "averaging";  // for messages and the logging data
+  };
+  AveragingHook(ProcessGroupPtr group, Options options);
+  FuturePtr run(GradBucketView& bucket) override;
+  std::string name() const override { return options_.name; }
+
+ private:
+  ProcessGroupPtr group_;
+  Options options_;
 };
 
 }  // namespace pyreducer

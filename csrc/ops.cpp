@@ -33,15 +33,11 @@ void check_bucket_args(const at::Tensor& flat, const std::vector<at::Tensor>& gr
   }
 }
 
-namespace {
-// A 0-dim CPU tensor marked as a wrapped number: what ATen makes of a Python number operand, so
-// binary ops treat it as a CPU scalar on every device.
 at::Tensor wrapped_scalar(double value) {
   at::Tensor scalar = c10::scalar_to_tensor(at::Scalar(value));
   scalar.unsafeGetTensorImpl()->set_wrapped_number(true);
   return scalar;
 }
-}  // namespace
 
 void copy_scaled_into(at::Tensor& slot, const at::Tensor& grad, double scale) {
   at::mul_out(slot, grad, wrapped_scalar(scale));

@@ -11,6 +11,10 @@
 
 namespace pyreducer {
 
+// A 0-dim CPU tensor marked as a wrapped number: what ATen makes of a Python number operand, so
+// binary ops with it round as the same Python expression does, on every device.
+at::Tensor wrapped_scalar(double value);
+
 // Writes `grad * scale` into `slot` (same shape; strides may differ) in one pass.
 // The multiply uses a wrapped scalar, so it rounds exactly as torch DDP's per-gradient copy-in.
 // Called from the autograd hook thread.

@@ -60,39 +60,6 @@ struct Sink : public torch::autograd::Function<Sink> {
   }
 };
 
-// Zeroes the buckets for shadow_backward. With gradient_as_bucket_view the buckets are this
-// rank's param.grad: it swaps in zeroed stand-ins instead (views laid out as the real ones, for
-// hooks), and the real buffers back when it goes out of scope (as torch's zeros_like buckets).
-class ZeroedBuckets {
- public:
-  ZeroedBuckets(std::vector<Bucket>& buckets, bool stand_ins) : buckets_(buckets) {
-    for (Bucket& bucket : buckets_) {
-      if (!stand_ins) {
-        bucket.flat.zero_();
-        continue;
-      }
-      saved_.emplace_back(bucket.flat, bucket.views);
-      bucket.flat = at::zeros_like(bucket.flat);
-      for (size_t k = 0; k < bucket.views.size(); ++k) {
-        const at::Tensor& real = saved_.back().second[k];
-        bucket.views[k] = bucket.flat.as_strided(real.sizes(), real.strides(), bucket.offsets[k]);
-      }
-    }
-  }
-  ~ZeroedBuckets() {
-    for (size_t b = 0; b < saved_.size(); ++b) {
-      buckets_[b].flat = std::move(saved_[b].first);
-      buckets_[b].views = std::move(saved_[b].second);
-    }
-  }
-  ZeroedBuckets(const ZeroedBuckets&) = delete;
-  ZeroedBuckets& operator=(const ZeroedBuckets&) = delete;
-
- private:
-  std::vector<Bucket>& buckets_;
-  std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> saved_;
-};
-
 }  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_names,
@@ -107,6 +74,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
       globally_unused_(params_.size(), 0),
       hook_counts_(params_.size(), 0),
       countdown_(params_.size(), 0),
+      is_unused_(params_.size(), 0),
       timeline_(options_.timeline_iterations, params_.size()) {
   if (param_names_.size() != params_.size()) {
     throw std::invalid_argument("Reducer: expected one name per parameter (" +
@@ -124,7 +92,17 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
                                 "got an empty rebuild_caps_bytes");
   }
   world_size_ = group_->getSize();
+  divisor_ = world_size_;
   grad_scale_ = 1.0 / static_cast<double>(world_size_);
+  sparse_.assign(params_.size(), 0);
+  for (int64_t i : options_.sparse_params) {
+    if (i < 0 || i >= static_cast<int64_t>(params_.size())) {
+      throw std::invalid_argument("Reducer: sparse parameter index " + std::to_string(i) +
+                                  " is out of range (" + std::to_string(params_.size()) +
+                                  " parameters)");
+    }
+    sparse_[i] = 1;
+  }
   install_plan(initial_plan);
   rebuild_pending_ = options_.rebuild_buckets;
   bool one_device = !params_.empty();
@@ -164,14 +142,31 @@ Reducer::~Reducer() {
   }
 }
 
-bool Reducer::armed() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return armed_;
-}
-
 void Reducer::fail(const std::string& message) {
   reset_iteration();
+  last_error_ = message;
   throw std::runtime_error(message);
+}
+
+template <typename Fn>
+void Reducer::noting_errors(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& error) {
+    last_error_ = error.what();
+    throw;
+  }
+}
+
+void Reducer::set_unused(std::vector<size_t> unused) {
+  std::fill(is_unused_.begin(), is_unused_.end(), 0);
+  for (size_t i : unused) is_unused_[i] = 1;
+  unused_ = std::move(unused);
+}
+
+bool Reducer::all_unused(const Bucket& bucket) const {
+  return std::all_of(bucket.param_indices.begin(), bucket.param_indices.end(),
+                     [&](int64_t i) { return is_unused_[i] != 0; });
 }
 
 std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
@@ -191,12 +186,21 @@ std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tens
   armed_ = true;
   finalized_since_forward_ = false;
   num_iterations_ += 1;
+  divisor_ = next_divisor_ > 0 ? next_divisor_ : world_size_;
+  next_divisor_ = 0;
+  grad_scale_ = comm_hook_ ? 1.0 : 1.0 / static_cast<double>(divisor_);
+  stats_.iteration = num_iterations_;
+  stats_.backward_start_ns = Timeline::now_ns();
+  stats_.comm_start_ns = stats_.backward_end_ns = stats_.comm_end_ns = 0;
+  stats_.buckets_reduced = 0;
+  stats_.ready_order.clear();
   if (dynamic_find_unused()) {
     const std::vector<uint8_t> reached = reachable(outputs, accumulator_nodes_);
-    unused_.clear();
+    std::vector<size_t> unused;
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (!reached[i]) unused_.push_back(i);
+      if (!reached[i]) unused.push_back(i);
     }
+    set_unused(std::move(unused));
   }
   if (static_after_first_iteration()) countdown_ = hook_counts_;
   lock.unlock();
@@ -215,59 +219,6 @@ std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tens
     for (size_t k = 0; k < positions.size(); ++k) result[positions[k]] = sunk[k];
   }
   return result;
-}
-
-void Reducer::register_comm_hook(std::shared_ptr<CommHook> hook) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (comm_hook_) {
-    throw std::runtime_error(
-        "register_comm_hook or register_builtin_comm_hook can only be called once. (pyreducer: " +
-        comm_hook_->name() + " is already registered)");
-  }
-  if (num_iterations_ > 0) {
-    throw std::runtime_error("pyreducer: register_comm_hook must be called before the first "
-                             "synced forward (as in torch DDP); " +
-                             std::to_string(num_iterations_) + " iteration(s) already ran");
-  }
-  comm_hook_ = std::move(hook);
-  grad_scale_ = 1.0;  // the hook averages
-}
-
-void Reducer::shadow_backward() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (armed_ || finalize_queued_) {
-    throw std::logic_error("pyreducer: shadow_backward called while a backward is pending");
-  }
-  num_iterations_ += 1;  // as the training ranks' synced forward counts it
-  const bool used_map = dynamic_find_unused() || static_first_iteration();
-  at::NoGradGuard no_grad;
-  try {
-    const ZeroedBuckets zeroed(set_.buckets, options_.gradient_as_bucket_view);
-    for (size_t b = 0; b < set_.buckets.size(); ++b) {
-      launch_bucket(b);  // record_ is null: nothing is recorded
-    }
-    if (used_map) {
-      std::fill(locally_used_.begin(), locally_used_.end(), 0);
-      launch_used_map_allreduce();
-    }
-    for (size_t b = 0; b < set_.buckets.size(); ++b) wait_bucket(b);
-    if (used_map) wait_or_throw(used_map_work_, group_, "all-reduce of the used-parameter map");
-  } catch (...) {
-    reset_iteration();
-    throw;
-  }
-  reset_iteration();
-  // As finalize_backward: the order is taken when a training rank's backward would record it.
-  if (rebuild_pending_ && !ready_order_complete_ && !static_first_iteration()) {
-    ready_order_.clear();
-    for (size_t i = 0; i < params_.size(); ++i) ready_order_.push_back(static_cast<int64_t>(i));
-    ready_order_complete_ = true;
-  }
-}
-
-void Reducer::note_unsynced_forward() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  finalized_since_forward_ = false;
 }
 
 void Reducer::on_backward_start() {
@@ -295,6 +246,10 @@ void Reducer::begin_backward() {
 
 void Reducer::autograd_hook(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
+  noting_errors([&] { on_gradient(index); });
+}
+
+void Reducer::on_gradient(size_t index) {
   if ((dynamic_find_unused() || static_first_iteration()) &&
       params_[index].grad().defined()) {
     locally_used_[index] = 1;  // also under no_sync: see Note [Unused parameters]
@@ -315,6 +270,7 @@ void Reducer::autograd_hook(size_t index) {
     hook_counts_[index] += 1;  // reduced all at once in finalize_backward
     return;
   }
+  stats_.ready_order.push_back(static_cast<int64_t>(index));
   if (static_after_first_iteration()) {
     if (hook_counts_[index] == 0 || countdown_[index] == 0) {
       fail("pyreducer: with static_graph=True, parameter " + param_names_[index] + " on rank " +
@@ -353,26 +309,10 @@ void Reducer::mark_ready(size_t index) {
   }
   const SlotLocation& location = set_.locations[index];
   Bucket& bucket = set_.buckets[location.bucket];
-  at::Tensor& slot = bucket.views[location.slot];
-  at::Tensor& grad = params_[index].mutable_grad();
-  check_gradient(index, grad, slot);
-
-  ready_[index] = 1;
-  num_ready_ += 1;
-  if (record_) record_->grad_ready_ns[index] = Timeline::now_ns();
-  if (rebuild_pending_ && !ready_order_complete_ && !static_first_iteration()) {
-    ready_order_.push_back(static_cast<int64_t>(index));
-  }
-  at::NoGradGuard no_grad;
-  if (!options_.batched_grad_copy) {
-    if (!grad.defined()) {
-      slot.zero_();
-    } else if (grad.is_alias_of(slot)) {
-      if (!comm_hook_) slot.div_(world_size_);  // bucket view, accumulated in place: as DDP
-    } else {
-      copy_scaled_into(slot, grad, grad_scale_);
-      if (options_.gradient_as_bucket_view) grad = slot;
-    }
+  if (bucket.sparse) {
+    mark_sparse_ready(index, bucket);
+  } else {
+    copy_into_slot(index, bucket, bucket.views[location.slot]);
   }
   note_copy_stream(bucket);  // See Note [Streams of a bucket]
   if (DeviceTimeline* device = device_recording()) device->grad_ready(record_->slot, index);
@@ -385,6 +325,47 @@ void Reducer::mark_ready(size_t index) {
     }
     if (location.bucket == next_bucket_) launch_ready_buckets();
   }
+}
+
+void Reducer::note_ready(size_t index) {
+  ready_[index] = 1;
+  num_ready_ += 1;
+  if (record_) record_->grad_ready_ns[index] = Timeline::now_ns();
+  if (rebuild_pending_ && !ready_order_complete_ && !static_first_iteration()) {
+    ready_order_.push_back(static_cast<int64_t>(index));
+  }
+}
+
+void Reducer::copy_into_slot(size_t index, Bucket& bucket, at::Tensor& slot) {
+  at::Tensor& grad = params_[index].mutable_grad();
+  check_gradient(index, grad, slot);
+  note_ready(index);
+  if (options_.batched_grad_copy) return;  // the whole bucket at once, when it is full
+  at::NoGradGuard no_grad;
+  if (!grad.defined()) {
+    slot.zero_();
+  } else if (grad.is_alias_of(slot)) {
+    if (!comm_hook_) slot.div_(divisor_);  // bucket view, accumulated in place: as DDP
+  } else {
+    copy_scaled_into(slot, grad, grad_scale_);
+    if (options_.gradient_as_bucket_view) grad = slot;
+  }
+}
+
+void Reducer::mark_sparse_ready(size_t index, Bucket& bucket) {
+  at::Tensor& grad = params_[index].mutable_grad();
+  if (!grad.defined() || grad.layout() != c10::kSparse) {
+    fail(std::string(grad.defined() ? "Expected variable to have sparse gradient."
+                                    : "Expected sparse gradient to be defined.") +
+         " (pyreducer: parameter " + param_names_[index] + " on rank " +
+         std::to_string(group_->getRank()) + " belongs to an nn.Embedding/EmbeddingBag with "
+         "sparse=True, so every synced backward must give it a sparse gradient; found " +
+         (grad.defined() ? "a " + c10::str(grad.layout()) + " one" : "none") + ")");
+  }
+  note_ready(index);
+  at::NoGradGuard no_grad;
+  if (!comm_hook_) grad.div_(divisor_);  // in place, as torch DDP; summed by the all-reduce
+  bucket.flat = grad;                    // the same tensor: the result is copied back into it
 }
 
 std::string Reducer::describe_unready(size_t max_names) const {
@@ -401,15 +382,21 @@ std::string Reducer::describe_unready(size_t max_names) const {
 
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (record_) record_->backward_end_ns = Timeline::now_ns();
+  noting_errors([&] { finalize(); });
+}
+
+void Reducer::finalize() {
+  stats_.backward_end_ns = Timeline::now_ns();
+  if (record_) record_->backward_end_ns = stats_.backward_end_ns;
   if (DeviceTimeline* device = device_recording()) device->backward_end(record_->slot);
   if (static_first_iteration()) {
     // See Note [Unused parameters]: reduce everything now, in parameter order.
-    unused_.clear();
+    std::vector<size_t> unused;
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (hook_counts_[i] == 0) unused_.push_back(i);
-      mark_ready(i);
+      if (hook_counts_[i] == 0) unused.push_back(i);
     }
+    set_unused(std::move(unused));
+    for (size_t i = 0; i < params_.size(); ++i) mark_ready(i);
     launch_used_map_allreduce();
   }
   if (next_bucket_ < set_.buckets.size()) {
@@ -431,6 +418,9 @@ void Reducer::finalize_backward() {
     ready_order_complete_ = true;
   }
   finalized_since_forward_ = true;
+  stats_.comm_end_ns = Timeline::now_ns();
+  stats_.unused.assign(unused_.begin(), unused_.end());
+  last_stats_ = stats_;
   if (record_) {
     record_->finalize_end_ns = Timeline::now_ns();
     record_->complete = true;
@@ -454,6 +444,8 @@ void Reducer::reset_iteration() {
     bucket.work.reset();
     bucket.future.reset();
     bucket.copy_streams.clear();
+    bucket.skipped = false;
+    if (bucket.sparse) bucket.flat = at::Tensor();  // the gradient stays the parameter's alone
   }
 }
 

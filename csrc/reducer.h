@@ -27,6 +27,14 @@
 // parameter is ready when its hook has fired that many times (reentrant checkpointing fires
 // some hooks several times), and parameters never seen are marked ready at backward start.
 //
+// Note [Sparse gradients]
+// A parameter that produces sparse gradients (nn.Embedding/EmbeddingBag with sparse=True, as
+// torch DDP detects them) has a bucket of its own, without buffer: when its hook fires, its
+// .grad is divided by the world size in place (unless a communication hook averages), all-reduced
+// as a sparse tensor, and the result copied back into that same .grad, as torch DDP does. Its
+// gradient must be defined in every synced backward (torch raises too); gradient_as_bucket_view
+// and batched_grad_copy leave it alone.
+//
 // Note [Bucket rebuild]
 // As torch DDP does, one backward records the order in which gradients become ready (the first
 // synced one, or the second with static_graph); the next forward with grad enabled calls
@@ -72,6 +80,27 @@ struct ReducerOptions {
   bool batched_grad_copy = false;
   // Iterations kept by the timeline (see Note [Timeline]); 0 = no recording.
   size_t timeline_iterations = 8;
+  // Parameters (indices) that produce sparse gradients; see Note [Sparse gradients].
+  std::vector<int64_t> sparse_params;
+  // torch DDP's skip_all_reduce_unused_params: with unused parameters known (find_unused_parameters
+  // or static_graph), a bucket whose parameters are all unused on this rank is not all-reduced,
+  // and its gradients are left as they are. Every rank must find the same parameters unused.
+  bool skip_all_reduce_unused_params = false;
+};
+
+// What torch DDP's logger reports of one synced backward (pyreducer/ddp_logging.py turns it into
+// _get_ddp_logging_data()). Times on the host's clock (Timeline::now_ns); 0: did not happen.
+struct BackwardStats {
+  int64_t iteration = 0;          // the synced iteration (1-based) this backward belonged to
+  int64_t backward_start_ns = 0;  // prepare_for_backward: the forward's end (torch's
+                                  // kBackwardComputeStart)
+  int64_t comm_start_ns = 0;      // the first bucket launched
+  int64_t backward_end_ns = 0;    // the end-of-backward callback started (compute is over)
+  int64_t comm_end_ns = 0;        // every gradient written back
+  int64_t buckets_reduced = 0;    // buckets launched as they filled (torch counts neither skipped
+                                  // buckets nor the static graph's first, all-at-once, iteration)
+  std::vector<int64_t> ready_order;  // parameter indices in the order their hooks fired
+  std::vector<int64_t> unused;       // parameters found unused (marked ready at backward start)
 };
 
 // Owned through a shared_ptr (create()): the output sink and the end-of-backward callback hold
@@ -117,6 +146,25 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Records that a forward ran without arming (no_sync or grad disabled). Python thread.
   void note_unsynced_forward();
 
+  // torch DDP's _set_static_graph(): static_graph from now on; `rebuild`: rebuild the buckets
+  // along the ready order once (as torch DDP, unless a plan was given). Only before the first
+  // synced forward: std::runtime_error with torch's message otherwise. Python thread.
+  void set_static_graph(bool rebuild);
+
+  // join(divide_by_initial_world_size=False): the next synced backward divides by `ranks`, the
+  // number of ranks still training, instead of the world size. Python thread, before that
+  // iteration's prepare_for_backward.
+  void divide_next_backward_by(int64_t ranks);
+
+  // Synced forwards so far (torch DDP's num_iterations_).
+  int64_t num_iterations() const;
+
+  // The last synced backward that finished (see BackwardStats).
+  BackwardStats last_backward_stats() const;
+
+  // The message of the last error this Reducer raised ("" if none), for the logging data.
+  std::string last_error() const;
+
   // See Note [Bucket rebuild]. Called at the start of every forward with grad enabled, on every
   // rank; returns true if it rebuilt (once per Reducer). Collective when it rebuilds.
   bool rebuild_buckets();
@@ -151,10 +199,17 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // All private methods require mutex_.
   bool dynamic_find_unused() const { return options_.find_unused_parameters && !options_.static_graph; }
+  bool all_unused(const Bucket& bucket) const;
+  void set_unused(std::vector<size_t> unused);
+  void mark_sparse_ready(size_t index, Bucket& bucket);
   bool static_first_iteration() const { return options_.static_graph && num_iterations_ == 1; }
   bool static_after_first_iteration() const { return options_.static_graph && num_iterations_ > 1; }
   void begin_backward();
+  void finalize();  // finalize_backward's body
+  void on_gradient(size_t index);  // autograd_hook's body
   void mark_ready(size_t index);
+  void note_ready(size_t index);
+  void copy_into_slot(size_t index, Bucket& bucket, at::Tensor& slot);
   void launch_ready_buckets();
   void launch_bucket(size_t b);
   void copy_bucket_in(size_t b);  // batched_grad_copy: the whole bucket at once
@@ -174,6 +229,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::string describe_unready(size_t max_names) const;
   void check_gradient(size_t index, const at::Tensor& grad, const at::Tensor& slot) const;
   [[noreturn]] void fail(const std::string& message);  // resets the iteration, then throws
+  template <typename Fn>
+  void noting_errors(Fn&& fn);  // runs fn; an exception's message becomes last_error_
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> param_names_;
@@ -181,7 +238,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   ProcessGroupPtr group_;
   ReducerOptions options_;
   int64_t world_size_ = 1;
-  double grad_scale_ = 1.0;  // 1 / world_size
+  std::vector<uint8_t> sparse_;  // per parameter; see Note [Sparse gradients]
+  int64_t divisor_ = 1;          // this iteration's: the world size, or the training ranks
+  int64_t next_divisor_ = 0;     // divide_next_backward_by; 0: the world size
+  double grad_scale_ = 1.0;      // this iteration's copy-in scale: 1 / divisor_, 1 with a hook
 
   std::shared_ptr<CommHook> comm_hook_;  // null: SUM all-reduce with 1/world_size in copy-in
 
@@ -202,19 +262,25 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t num_iterations_ = 0;  // synced forwards so far
 
   // Unused parameters (see Note [Unused parameters]).
-  std::vector<size_t> unused_;          // marked ready at backward start
+  std::vector<size_t> unused_;          // marked ready at backward start (is_unused_ below)
   std::vector<int32_t> locally_used_;   // defined gradient since the last synced step
   at::Tensor used_map_;                 // its all-reduced copy (int32, on the params' device)
   WorkPtr used_map_work_;
   std::vector<uint8_t> globally_unused_;
   std::vector<int64_t> hook_counts_;    // static graph: hook firings in the first iteration
   std::vector<int64_t> countdown_;      // static graph: firings still expected this iteration
+  std::vector<uint8_t> is_unused_;      // unused_, per parameter
 
   // Timeline (see Note [Timeline]).
   Timeline timeline_;
   IterationRecord* record_ = nullptr;  // this iteration's, while one is being recorded
   std::unique_ptr<DeviceTimeline> device_timeline_;  // CUDA builds, CUDA parameters only
   std::vector<std::vector<std::vector<int64_t>>> plan_history_;  // [plan_version] -> plan
+
+  // Logging data (see BackwardStats).
+  BackwardStats stats_;       // the iteration in progress
+  BackwardStats last_stats_;  // the last one that finished
+  std::string last_error_;
 
   // Bucket rebuild (see Note [Bucket rebuild]).
   bool rebuild_pending_ = false;

@@ -51,7 +51,7 @@ bool Reducer::rebuild_buckets() {
   broadcast_int64s(group_, ready_order_, /*root=*/0, params_[0].device());
   std::vector<ParamSpec> specs(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
-    specs[i] = ParamSpec{size_bytes(params_[i]), group_key(params_[i])};
+    specs[i] = ParamSpec{size_bytes(params_[i]), group_key(params_[i]), sparse_[i] != 0};
   }
   std::vector<std::vector<int64_t>> plan;
   for (BucketSpec& spec : assign_buckets(specs, ready_order_, options_.rebuild_caps_bytes)) {
@@ -87,8 +87,9 @@ void Reducer::wait_for_copy_streams(Bucket& bucket) {
 
 void Reducer::copy_bucket_in(size_t b) {
   Bucket& bucket = set_.buckets[b];
+  if (bucket.sparse) return;  // its gradient is the bucket (see Note [Sparse gradients])
   wait_for_copy_streams(bucket);  // gradients produced on other streams are complete first
-  const double divisor = comm_hook_ ? 1.0 : static_cast<double>(world_size_);
+  const double divisor = comm_hook_ ? 1.0 : static_cast<double>(divisor_);
   std::vector<at::Tensor> grads;
   std::vector<int64_t> offsets;
   for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
@@ -97,7 +98,7 @@ void Reducer::copy_bucket_in(size_t b) {
     if (!grad.defined()) {
       view.zero_();
     } else if (grad.is_alias_of(view)) {
-      if (!comm_hook_) view.div_(world_size_);
+      if (!comm_hook_) view.div_(divisor_);
     } else if (view.is_contiguous()) {  // the fused op writes slots in row-major order
       grads.push_back(grad);
       offsets.push_back(bucket.offsets[k]);
@@ -116,7 +117,13 @@ void Reducer::copy_bucket_in(size_t b) {
 
 void Reducer::launch_ready_buckets() {
   while (next_bucket_ < set_.buckets.size() && set_.buckets[next_bucket_].pending == 0) {
-    launch_bucket(next_bucket_);
+    Bucket& bucket = set_.buckets[next_bucket_];
+    if (options_.skip_all_reduce_unused_params && all_unused(bucket)) {
+      bucket.skipped = true;  // left as is, on every rank (ranks must agree on unused parameters)
+    } else {
+      launch_bucket(next_bucket_);
+      if (!static_first_iteration()) stats_.buckets_reduced += 1;
+    }
     next_bucket_ += 1;
   }
   if (next_bucket_ == set_.buckets.size() && dynamic_find_unused()) launch_used_map_allreduce();
@@ -126,10 +133,12 @@ void Reducer::launch_bucket(size_t b) {
   Bucket& bucket = set_.buckets[b];
   wait_for_copy_streams(bucket);  // See Note [Streams of a bucket]
   DeviceTimeline* device = device_recording();
-  std::atomic<int64_t>* done = nullptr;
+  std::shared_ptr<std::atomic<int64_t>> done;  // the record's done time, shared with callbacks
+  if (armed_ && stats_.comm_start_ns == 0) stats_.comm_start_ns = Timeline::now_ns();
   if (record_) {
     record_->bucket_launch_ns[b] = Timeline::now_ns();
-    done = &record_->bucket_done_ns[b];
+    done = std::shared_ptr<std::atomic<int64_t>>(record_->bucket_done_ns,
+                                                 &record_->bucket_done_ns[b]);
     if (device) device->bucket_launch(record_->slot, b);
   }
   if (!comm_hook_) {
@@ -152,7 +161,7 @@ void Reducer::launch_bucket(size_t b) {
   view.index = b;
   view.is_last = b + 1 == set_.buckets.size();
   view.buffer = bucket.flat;
-  view.gradients = bucket.views;
+  view.gradients = bucket.sparse ? std::vector<at::Tensor>{bucket.flat} : bucket.views;
   for (int64_t i : bucket.param_indices) view.parameters.push_back(params_[i]);
   bucket.future = comm_hook_->run(view);
   if (done != nullptr) {
@@ -219,8 +228,16 @@ void Reducer::wait_and_copy_out() {
 
 void Reducer::wait_bucket(size_t b) {
   Bucket& bucket = set_.buckets[b];
+  if (bucket.skipped) return;
   if (!bucket.future) {
     wait_or_throw(bucket.work, group_, "all-reduce of bucket " + std::to_string(b));
+    if (bucket.sparse) {  // a sparse all-reduce may return its sum as a new tensor
+      const std::vector<at::Tensor> result = bucket.work->result();
+      if (!result.empty() && !result.front().is_same(bucket.flat)) {
+        at::NoGradGuard no_grad;
+        bucket.flat.copy_(result.front());
+      }
+    }
   } else {
     bucket.future->wait();
     if (bucket.future->hasError()) {
@@ -238,7 +255,7 @@ void Reducer::wait_bucket(size_t b) {
                                  std::to_string(bucket.flat.numel()));
       }
       at::NoGradGuard no_grad;
-      bucket.flat.copy_(result.reshape({-1}));
+      bucket.flat.copy_(bucket.sparse ? result : result.reshape({-1}));
     }
   }
 }
@@ -246,6 +263,8 @@ void Reducer::wait_bucket(size_t b) {
 void Reducer::copy_out_bucket(size_t b) {
   at::NoGradGuard no_grad;
   Bucket& bucket = set_.buckets[b];
+  // A skipped bucket leaves its gradients as they are; a sparse one was reduced in .grad itself.
+  if (bucket.skipped || bucket.sparse) return;
   std::vector<at::Tensor> grads;  // defined gradients with row-major slots: one fused copy
   std::vector<int64_t> offsets;
   for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
@@ -269,6 +288,7 @@ void Reducer::adopt_grads_into_buckets() {
   if (!options_.gradient_as_bucket_view) return;
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (sparse_[i]) continue;  // no buffer to adopt into
     at::Tensor& grad = params_[i].mutable_grad();
     const SlotLocation& location = set_.locations[i];
     at::Tensor& slot = set_.buckets[location.bucket].views[location.slot];
@@ -289,7 +309,7 @@ void Reducer::apply_plan(const std::vector<std::vector<int64_t>>& plan) {
 }
 
 void Reducer::install_plan(const std::vector<std::vector<int64_t>>& plan) {
-  set_ = make_buckets(params_, param_names_, plan);  // validates before anything changes
+  set_ = make_buckets(params_, param_names_, plan, sparse_);  // validates before anything changes
   plan_history_.push_back(plan);
   adopt_grads_into_buckets();  // see Note [Bucket rebuild]
   rebuild_pending_ = false;    // an explicit plan replaces the pending rebuild

@@ -19,6 +19,7 @@ set(PYREDUCER_CORE_SOURCES
     csrc/ops.cpp
     csrc/reducer.cpp
     csrc/reducer_buckets.cpp
+    csrc/reducer_control.cpp
     csrc/reducer_timeline.cpp
     csrc/timeline.cpp)
 

@@ -11,7 +11,8 @@ Timeline::Timeline(size_t capacity, size_t num_params) : slots_(capacity) {
     slot.grad_ready_ns.assign(num_params, 0);
     slot.bucket_ready_ns.assign(num_params, 0);
     slot.bucket_launch_ns.assign(num_params, 0);
-    slot.bucket_done_ns = std::make_unique<std::atomic<int64_t>[]>(num_params);
+    slot.bucket_done_ns = std::shared_ptr<std::atomic<int64_t>[]>(
+        new std::atomic<int64_t>[num_params]());
   }
 }
 

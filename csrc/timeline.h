@@ -36,7 +36,9 @@ struct IterationRecord {
   std::vector<int64_t> grad_ready_ns;     // per parameter; 0 = not ready in this iteration
   std::vector<int64_t> bucket_ready_ns;   // per bucket (capacity: one per parameter)
   std::vector<int64_t> bucket_launch_ns;
-  std::unique_ptr<std::atomic<int64_t>[]> bucket_done_ns;
+  // Set from the communication thread by a future's callback, which may run after the Reducer
+  // has seen the work complete (and after the Reducer is gone): the callback holds a share.
+  std::shared_ptr<std::atomic<int64_t>[]> bucket_done_ns;
 };
 
 class Timeline {

@@ -13,28 +13,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # torch's, even if patched later
 
-# Arguments of torch DDP that pyreducer does not serve yet, with their defaults: passing another
-# value raises NotImplementedError naming the argument (nothing is ignored silently).
-NOT_YET = {
-    "delay_all_reduce_named_params": None,
-    "param_to_hook_all_reduce": None,
-    "mixed_precision": None,
-    "skip_all_reduce_unused_params": False,
-}
 
-
-def refuse_unsupported(given: dict) -> None:
-    """torch's pairing check of the delayed all-reduce arguments (ValueError), then
-    NotImplementedError for the first argument of NOT_YET given a non-default value."""
-    if (given["delay_all_reduce_named_params"] is None) != \
-            (given["param_to_hook_all_reduce"] is None):
+def check_delay_pairing(delay_all_reduce_named_params, param_to_hook_all_reduce) -> None:
+    """torch's pairing check of the delayed all-reduce arguments (ValueError)."""
+    if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
         raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be "
                          "set at the same time.")
-    for name, default in NOT_YET.items():
-        if given[name] != default:
-            raise NotImplementedError(
-                f"pyreducer.DistributedDataParallel does not support {name}={given[name]!r} "
-                f"yet (only the default, {default!r}).")
 
 
 def resolve_group(process_group, device_mesh):
@@ -53,12 +37,13 @@ def resolve_group(process_group, device_mesh):
     return dist.group.WORLD
 
 
-def module_parameters(module: nn.Module, ignored) -> list[tuple[str, nn.Parameter]]:
+def module_parameters(module: nn.Module, ignored, delayed: bool = False
+                      ) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of the module's parameters that are not ignored, frozen ones included
     (what torch DDP checks devices and initialization on); refuses a module with none that
-    requires a gradient."""
+    requires a gradient, unless their all-reduce is delayed (`delayed`: torch then delays all)."""
     named = [(n, p) for n, p in module.named_parameters() if n not in ignored]
-    if not any(p.requires_grad for _, p in named):
+    if not any(p.requires_grad for _, p in named) and not delayed:
         raise RuntimeError(
             "DistributedDataParallel is not needed when a module doesn't have any parameter "
             "that requires a gradient. (pyreducer: none outside the ignored set "
@@ -72,6 +57,8 @@ def resolve_devices(named: list, device_ids, output_device):
     if device_ids is not None and len(device_ids) > 1:
         raise ValueError("device_ids can only be None or contain a single element. "
                          f"(pyreducer: got {device_ids})")
+    if not named:  # every parameter's all-reduce is delayed: nothing for the Reducer
+        return None, None
     devices = {p.device for _, p in named}
     device_types = {p.device.type for _, p in named}  # built as torch builds it: same str()
     if len(device_types) != 1:

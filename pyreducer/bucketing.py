@@ -38,7 +38,8 @@ def caps_bytes(bucket_cap_mb: float | None, bucket_cap_mb_list: list[float] | No
 
 
 def assign_buckets(sizes_bytes: list[int], group_keys: list[str], caps: list[int],
-                   walk_order: list[int] | None = None) -> list[list[int]]:
+                   walk_order: list[int] | None = None,
+                   sparse: list[bool] | None = None) -> list[list[int]]:
     """Bucket parameter indices, in launch order (the C++ planner, csrc/bucketing.h).
 
     Args:
@@ -46,25 +47,29 @@ def assign_buckets(sizes_bytes: list[int], group_keys: list[str], caps: list[int
         caps: per-bucket caps in bytes (see caps_bytes).
         walk_order: the order gradients are expected to become ready; default reverse
             definition order.
+        sparse: per parameter, whether it produces sparse gradients (a bucket of its own).
     """
     if walk_order is None:
         walk_order = _C.reverse_order(len(sizes_bytes))
-    plan = _C.assign_buckets(list(sizes_bytes), list(group_keys), list(walk_order), list(caps))
+    plan = _C.assign_buckets(list(sizes_bytes), list(group_keys), list(walk_order), list(caps),
+                             list(sparse) if sparse else [])
     return [bucket["param_indices"] for bucket in plan]
 
 
 def initial_plan(sizes_bytes: list[int], group_keys: list[str], caps: list[int],
-                 one_bucket: bool) -> list[list[int]]:
+                 one_bucket: bool, sparse: list[bool] | None = None) -> list[list[int]]:
     """torch DDP's plan for the first iteration, reproduced exactly (so results match bit for bit).
 
-    DDP walks parameters in definition order, closes buckets at the caps, and launches the
-    buckets in reverse (the last layers' gradients are ready first). Without
+    DDP walks parameters in definition order, closes buckets at the caps (a sparse parameter in
+    a bucket of its own), orders the buckets by the smallest parameter index they hold, and
+    launches them in reverse (the last layers' gradients are ready first). Without
     find_unused_parameters it uses one bucket for everything in the first iteration and rebuilds
     from the observed ready order afterwards (see Note [Bucket rebuild] in csrc/reducer.h).
     """
     walk = list(range(len(sizes_bytes)))
     caps = [ONE_BUCKET_CAP_BYTES] if one_bucket else caps
-    return list(reversed(assign_buckets(sizes_bytes, group_keys, caps, walk)))
+    buckets = sorted(assign_buckets(sizes_bytes, group_keys, caps, walk, sparse), key=min)
+    return list(reversed(buckets))
 
 
 def plan_from_names(plan, names: list[str]) -> list[list[int]]:

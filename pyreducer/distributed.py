@@ -10,6 +10,7 @@ timeline, tuning, tracing) get the ReducedParams (pyreducer.params) built here.
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -17,9 +18,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from pyreducer import arguments, bucketing, nested, sync
+from pyreducer import arguments, bucketing, nested, precision, sync
 from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
+from pyreducer.ddp_logging import DDPLogger
+from pyreducer.delayed import DelayedAllReduce
 from pyreducer.join import ReducerJoinHook, find_common_rank, vote_backward_sync
 from pyreducer.params import ReducedParams, reduced_parameters
 from pyreducer.tuning.autotune import AutotuneConfig, AutoTuner
@@ -38,7 +41,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     Arguments are torch DDP's (torch 2.13), with DDP's meaning and defaults; see
     torch.nn.parallel.DistributedDataParallel. pyreducer differences: errors name the
     parameters and ranks involved, always; a backward that leaves a parameter without gradient
-    raises at its end instead of at the next forward.
+    raises at its end instead of at the next forward; mixed_precision runs on any device
+    (pyreducer/precision.py).
 
     pyreducer's own arguments (keyword-only):
         bucket_plan: replay a saved bucket plan exactly (a JSON path from save_bucket_plan(),
@@ -46,6 +50,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             plan must be the same on every rank (checked) and is never rebuilt.
         timeline_iterations: how many synced iterations the per-bucket timeline keeps (see
             timeline()); 0 turns recording off.
+        gradient_predivide_factor: f: each bucket is multiplied by 1/f before the all-reduce
+            and by f/world_size after it (Apex's scheme; with fp16/bf16 at large world sizes,
+            between overflow of the sum and underflow of a pre-divided gradient).
+        reduce_dtype: reduce each bucket in this dtype (e.g. torch.float32 for float16/bfloat16
+            gradients), cast back afterwards; averaged after the sum, as with a predivide factor
+            of 1. Neither can be combined with a communication hook or mixed_precision.
 
     bucket_cap_mb="auto" (or a pyreducer.tuning.AutotuneConfig) turns on online autotune
     (pyreducer/tuning/autotune.py).
@@ -58,17 +68,17 @@ class DistributedDataParallel(nn.Module, Joinable):
                  delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
-                 *, bucket_plan=None, timeline_iterations=_DEFAULTS.timeline_iterations):
+                 *, bucket_plan=None, timeline_iterations=_DEFAULTS.timeline_iterations,
+                 gradient_predivide_factor=None, reduce_dtype=None):
         super().__init__()
         Joinable.__init__(self)
         # torch DDP's checks, in its order (arguments.py).
-        arguments.refuse_unsupported(dict(
-            delay_all_reduce_named_params=delay_all_reduce_named_params,
-            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
-            skip_all_reduce_unused_params=skip_all_reduce_unused_params))
+        arguments.check_delay_pairing(delay_all_reduce_named_params, param_to_hook_all_reduce)
         self.process_group = arguments.resolve_group(process_group, device_mesh)
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        named = arguments.module_parameters(module, self.parameters_to_ignore)
+        self.parameters_to_ignore |= {name for name, _ in delay_all_reduce_named_params or ()}
+        named = arguments.module_parameters(module, self.parameters_to_ignore,
+                                           delayed=delay_all_reduce_named_params is not None)
         self.device_ids, self.output_device = arguments.resolve_devices(named, device_ids,
                                                                         output_device)
         self.dim = dim
@@ -78,32 +88,37 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.mixed_precision = mixed_precision
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True
         arguments.warn_check_reduction(check_reduction)
         arguments.check_module(module, named, (DistributedDataParallel,))
-
+        self._delayed = _delayed_all_reduce(delay_all_reduce_named_params,
+                                            param_to_hook_all_reduce, self.process_group)
+        # torch DDP: with every reduced parameter delayed there is no Reducer at all.
+        self._delay_all_reduce_all_params = not any(p.requires_grad for _, p in named)
+        if self._delay_all_reduce_all_params:
+            return
         self._params = self._collect_params()
         if init_sync:
             self._sync_at_construction(init_sync_buffers)
-        self._autotune_config, bucket_cap_mb = _autotune_request(bucket_cap_mb)
-        self.bucket_caps_bytes = bucketing.caps_bytes(bucket_cap_mb, bucket_cap_mb_list)
-        self.bucket_bytes_cap = max(self.bucket_caps_bytes)
-        if bucket_plan is not None:
-            bucket_plan = bucketing.plan_from_names(bucket_plan, self._params.names)
-            sync.verify_same_plan(bucket_plan, self.process_group, self._params.device)
-        # What a pickled copy needs to build its Reducer again (see __setstate__).
-        self._reducer_settings = dict(plan=bucket_plan, caps_per_bucket=bool(bucket_cap_mb_list),
-                                      batched_grad_copy=batched_grad_copy,
+        self._configure_buckets(bucket_cap_mb, bucket_cap_mb_list, bucket_plan)
+        self._reducer_settings.update(batched_grad_copy=batched_grad_copy,
                                       timeline_iterations=timeline_iterations)
+        self._averaging = self._averaging_settings(gradient_predivide_factor, reduce_dtype)
+        self._mixed = precision.MixedPrecisionForward(
+            mixed_precision, module, frozenset(self.parameters_to_ignore)) \
+            if mixed_precision is not None else None
         self._build_engine()
         self._recorder = self._start_recorder_if_asked()
 
     # -- construction steps ----------------------------------------------------------------------
     def _collect_params(self) -> ReducedParams:
-        return ReducedParams.of(reduced_parameters(self.module, self.parameters_to_ignore),
-                                self.process_group, self.module,
-                                frozenset(self.parameters_to_ignore))
+        named, sparse = reduced_parameters(self.module, self.parameters_to_ignore)
+        return ReducedParams.of(named, self.process_group, self.module,
+                                frozenset(self.parameters_to_ignore), sparse)
 
     def _sync_at_construction(self, with_buffers: bool) -> None:
         """As torch DDP: the same model on every rank (checked), then rank 0's state on all."""
@@ -111,9 +126,50 @@ class DistributedDataParallel(nn.Module, Joinable):
                                self.process_group, self._params.device)
         sync.broadcast_coalesced(self._params.states(with_buffers), self.process_group)
 
+    def _configure_buckets(self, bucket_cap_mb, bucket_cap_mb_list, bucket_plan) -> None:
+        """Caps (or autotune), and a given plan, checked to be the same on every rank."""
+        self._autotune_config, bucket_cap_mb = _autotune_request(bucket_cap_mb)
+        self.bucket_caps_bytes = bucketing.caps_bytes(bucket_cap_mb, bucket_cap_mb_list)
+        self.bucket_bytes_cap = max(self.bucket_caps_bytes)
+        if bucket_plan is not None:
+            bucket_plan = bucketing.plan_from_names(bucket_plan, self._params.names)
+            sync.verify_same_plan(bucket_plan, self.process_group, self._params.device)
+        # What a pickled copy needs to build its Reducer again (see __setstate__).
+        self._reducer_settings = dict(plan=bucket_plan, caps_per_bucket=bool(bucket_cap_mb_list))
+
+    def _averaging_settings(self, predivide_factor, reduce_dtype) -> dict | None:
+        """The built-in averaging hook's settings (csrc/comm_hook.h AveragingHook), or None for
+        torch DDP's own scheme (1/world_size in the copy-in, SUM). Subclasses (pyreducer.apex)
+        may average differently."""
+        world_size = dist.get_world_size(self.process_group)
+        if self.mixed_precision is not None:
+            if predivide_factor is not None or reduce_dtype is not None:
+                raise ValueError("pyreducer: mixed_precision sets how buckets are reduced; it "
+                                 "cannot be combined with gradient_predivide_factor or "
+                                 "reduce_dtype")
+            return dict(reduce_dtype=precision.reduce_dtype(self.mixed_precision),
+                        pre_multiplier=1.0, post="divide", post_value=float(world_size),
+                        name="mixed precision")
+        if predivide_factor is None and reduce_dtype is None:
+            return None
+        factor = 1.0 if predivide_factor is None else float(predivide_factor)
+        if factor <= 0:
+            raise ValueError(f"gradient_predivide_factor must be positive, got {predivide_factor}")
+        return dict(reduce_dtype=reduce_dtype, pre_multiplier=1.0 / factor, post="multiply",
+                    post_value=factor / world_size, name="predivide/reduce_dtype")
+
     def _build_engine(self) -> None:
-        """The Reducer and what works on it (bucket tuning, autotune); no collective."""
+        """The Reducer and what works on it (averaging, logging, bucket tuning, autotune); no
+        collective."""
         self.reducer = self._build_reducer(**self._reducer_settings)
+        if self._averaging is not None:
+            self.reducer.register_averaging_hook(self.process_group, **self._averaging)
+        self._has_rebuilt_buckets = False
+        self._logger = DDPLogger(self.reducer, _C.Reducer.now_ns, self._params.sizes_bytes)
+        self._logger.construction_data(
+            self.module, self._params, self.device_ids, self.output_device,
+            self.forward_sync_buffers, self.find_unused_parameters, self.gradient_as_bucket_view,
+            self.static_graph, self.bucket_bytes_cap)
         self._tuning = BucketTuning(self._params, self.reducer)
         self._autotune = AutoTuner(self._autotune_config, self._tuning) \
             if self._autotune_config else None
@@ -130,13 +186,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         options.gradient_as_bucket_view = self.gradient_as_bucket_view
         options.batched_grad_copy = batched_grad_copy
         options.timeline_iterations = timeline_iterations
+        options.sparse_params = [i for i, sparse in enumerate(params.sparse) if sparse]
+        options.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
         options.rebuild_buckets = ((self.static_graph or not self.find_unused_parameters)
                                    and plan is None)
         options.rebuild_caps_bytes = self.bucket_caps_bytes
         if plan is None:
             plan = bucketing.initial_plan(params.sizes_bytes, params.group_keys,
                                           self.bucket_caps_bytes,
-                                          one_bucket=options.rebuild_buckets and not caps_per_bucket)
+                                          one_bucket=options.rebuild_buckets and not caps_per_bucket,
+                                          sparse=params.sparse)
         return _C.Reducer(list(params.tensors), list(params.names), plan, self.process_group,
                           options)
 
@@ -151,8 +210,13 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "passed process_group argument to DDP constructor (pyreducer: this wrapper's "
                 "group has ranks "
                 f"{dist.get_process_group_ranks(self.process_group)}).")
+        if self._delayed is not None:
+            raise RuntimeError("pyreducer: a wrapper with delay_all_reduce_named_params cannot be "
+                               "pickled (its hook on param_to_hook_all_reduce would be lost); "
+                               "save the module's state_dict instead")
         state = dict(self.__dict__)
-        for name in ("process_group", "reducer", "_params", "_tuning", "_autotune", "_recorder"):
+        for name in ("process_group", "reducer", "_params", "_tuning", "_autotune", "_recorder",
+                     "_logger"):
             state.pop(name)
         if self._recorder is not None:  # its forward hooks belong to this process's recording
             state["_forward_pre_hooks"] = self._recorder.without_hooks(self._forward_pre_hooks)
@@ -180,32 +244,50 @@ class DistributedDataParallel(nn.Module, Joinable):
     # -- DDP's forward ---------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         with torch.autograd.profiler.record_function("pyreducer.DistributedDataParallel.forward"):
-            # The collectives below, in this order, are shadowed by joined ranks (join.py).
-            Join.notify_join_context(self)
-            if torch.is_grad_enabled():
-                self.reducer.rebuild_buckets()  # once, after the first synced backward
-                if self._autotune is not None and self.require_backward_grad_sync:
-                    if self._join_config.enable:
-                        raise NotImplementedError(
-                            "bucket_cap_mb='auto' cannot be combined with join(): joined ranks "
-                            "would not take part in the autotune's measurements")
-                    self._autotune.before_forward()
-            if self.require_forward_param_sync and self.forward_sync_buffers:
-                self._sync_buffers()
-            if self._join_config.enable:
-                vote_backward_sync(self._params, self.require_backward_grad_sync, joined=False)
-            if self.device_ids:
-                device = torch.device(self._params.device.type, self.device_ids[0])
-                inputs, kwargs = nested.to_device(inputs, device), nested.to_device(kwargs, device)
-            output = self.module(*inputs, **kwargs)
-            if torch.is_grad_enabled() and self.require_backward_grad_sync:
-                self.require_forward_param_sync = True
-                sunk = self.reducer.prepare_for_backward(nested.tensors(output))
-                output = nested.replace_tensors(output, sunk)
-            else:
-                self.require_forward_param_sync = False
-                self.reducer.note_unsynced_forward()
-            return output
+            if self._delay_all_reduce_all_params:  # no Reducer (torch DDP: the same)
+                output = self.module(*inputs, **kwargs)
+                self._delayed.reset_grads()
+                return output
+            inputs, kwargs = self._pre_forward(inputs, kwargs)
+            output = self._mixed(*inputs, **kwargs) if self._mixed is not None \
+                else self.module(*inputs, **kwargs)
+            return self._post_forward(output)
+
+    def _pre_forward(self, inputs, kwargs):
+        """DDP's collectives before the module runs, in this order on every rank; joined ranks
+        shadow them (join.py: ReducerJoinHook.main_hook)."""
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        joined_work = Join.notify_join_context(self)
+        if synced:
+            self._logger.before_synced_forward(self._has_rebuilt_buckets,
+                                               self.reducer.bucket_layout())
+        if torch.is_grad_enabled() and self.reducer.rebuild_buckets():  # once, after the
+            self._has_rebuilt_buckets = True                             # first synced backward
+        if self.require_forward_param_sync and self.forward_sync_buffers:
+            self._sync_buffers()
+        if self._join_config.enable:
+            vote_backward_sync(self._params, self.require_backward_grad_sync, joined=False)
+            if synced and joined_work is not None and not self._divide_by_initial_world_size:
+                joined_work.wait()  # the all-reduce of ones: the ranks still training
+                self.reducer.divide_next_backward_by(int(joined_work.result()[0].item()))
+        if synced and self._autotune is not None:
+            self._autotune.before_forward()
+        if self.device_ids:
+            device = torch.device(self._params.device.type, self.device_ids[0])
+            inputs, kwargs = nested.to_device(inputs, device), nested.to_device(kwargs, device)
+        return inputs, kwargs
+
+    def _post_forward(self, output):
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            sunk = self.reducer.prepare_for_backward(nested.tensors(output))
+            output = nested.replace_tensors(output, sunk)
+        else:
+            self.require_forward_param_sync = False
+            self.reducer.note_unsynced_forward()
+        if self._delayed is not None:
+            self._delayed.reset_grads()
+        return output
 
     @contextmanager
     def no_sync(self):
@@ -271,8 +353,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         once. torch's hooks (torch.distributed.algorithms.ddp_comm_hooks) work unchanged. The
         hook runs with the GIL for its own call; the rest of the path stays in C++.
         """
-        arguments.check_comm_hook(hook)
+        try:
+            arguments.check_comm_hook(hook)
+        except (TypeError, ValueError) as error:
+            self._logger.set_error(f"{type(error)}: {error}")
+            raise
         self.reducer.register_comm_hook(state, hook)
+        self._logger.set_comm_hook(getattr(hook, "__qualname__", repr(hook)))
 
     def register_builtin_hook(self, name: str) -> None:
         """A C++ communication hook, no Python per bucket: "fp16" or "bf16" compression.
@@ -281,6 +368,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         all-reduced, and cast back (torch's Python fp16 hook casts first, then divides).
         """
         self.reducer.register_builtin_hook(self.process_group, name)
+        self._logger.set_comm_hook(f"builtin {name}")
 
     # -- bucket tuning (pyreducer/tuning/control.py) ---------------------------------------------
     def profile(self, forward_ms: float = 0.0, optimizer_ms: float = 0.0, last: int = 3):
@@ -312,7 +400,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs) -> ReducerJoinHook:
-        return ReducerJoinHook(self, self._params, kwargs.get("divide_by_initial_world_size", True))
+        """torch's Joinable interface; divide_by_initial_world_size=False divides each
+        iteration's gradients by the ranks still training (the join notification's sum)."""
+        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        self._logger.set_join()
+        return ReducerJoinHook(self, self._params, self._autotune)
 
     @property
     def join_device(self) -> torch.device:
@@ -321,6 +413,34 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def join_process_group(self):
         return self.process_group
+
+    # -- torch DDP's private API that research code calls ----------------------------------------
+    def _set_static_graph(self) -> None:
+        """static_graph=True after construction (the classic workaround for activation
+        checkpointing); before the first synced forward only, as torch DDP."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.",
+                          stacklevel=2)
+            return
+        self.reducer.set_static_graph(rebuild=self._reducer_settings["plan"] is None)
+        self.static_graph = True
+        self._logger.set_static_graph()
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, "
+                "`_set_static_graph` will detect unused parameters automatically, so you do not "
+                "need to set find_unused_parameters=true, just be sure these unused parameters "
+                "will not change during training loop while calling `_set_static_graph`.",
+                stacklevel=2)
+
+    def _get_ddp_logging_data(self) -> dict:
+        """torch DDP's logging data, with its keys, from pyreducer's measurements
+        (pyreducer/ddp_logging.py)."""
+        return self._logger.data()
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Runtime stats are recorded for iterations 1-10 and every sample_rate-th after."""
+        self._logger.set_sample_rate(sample_rate)
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore):
@@ -343,6 +463,16 @@ def _default_group():
         raise RuntimeError("DDP Pickling/Unpickling need the default process group: call "
                            "torch.distributed.init_process_group(...) first.")
     return dist.group.WORLD
+
+
+def _delayed_all_reduce(named_params, hook_param, process_group):
+    """torch DDP's delayed all-reduce of `named_params` (pyreducer/delayed.py), its parameters
+    broadcast from rank 0 now (before the model check, as torch DDP), or None."""
+    if named_params is None:
+        return None
+    delayed = DelayedAllReduce(list(named_params), hook_param, process_group)
+    delayed.broadcast_from_rank0()
+    return delayed
 
 
 def _autotune_request(bucket_cap_mb):

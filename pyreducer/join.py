@@ -2,11 +2,14 @@
 
 Ranks that run out of data "join": until every rank has, each joined rank shadows, in the same
 order, every collective that a training rank issues per iteration (join notification, bucket
-rebuild, buffer broadcast, the "does backward sync" vote, then the Reducer's shadow_backward:
-each bucket zeroed and reduced as the training ranks reduce it, through the communication hook
-if one is registered, and the used-parameter map where they all-reduce one). Joined ranks
-contribute zero gradients; gradients are divided by the initial world size, as DDP's default.
-At the end the last rank to join broadcasts its model to all.
+rebuild, buffer broadcast, the "does backward sync" vote, then, if the training ranks sync, the
+autotune's measurements (bucket_cap_mb="auto") and the Reducer's shadow_backward: each bucket
+zeroed and reduced as the training ranks reduce it, through the communication hook if one is
+registered, and the used-parameter map where they all-reduce one). Joined ranks contribute zero
+gradients; gradients are divided by the initial world size (DDP's default), or with
+divide_by_initial_world_size=False by the ranks still training (the wrapper reads their number
+from the join notification's all-reduce). At the end the last rank to join broadcasts its model
+to all.
 """
 from __future__ import annotations
 
@@ -19,14 +22,11 @@ from pyreducer import sync
 
 class ReducerJoinHook(JoinHook):
     """torch's JoinHook for one wrapper: `ddp` for its public state (reducer, sync flags),
-    `params` (its ReducedParams) for everything else."""
+    `params` (its ReducedParams) for everything else, and its `autotune` (or None), whose
+    measurements a joined rank takes part in."""
 
-    def __init__(self, ddp, params, divide_by_initial_world_size: bool = True):
-        if not divide_by_initial_world_size:
-            raise NotImplementedError(
-                "pyreducer's join() supports divide_by_initial_world_size=True only (torch DDP's "
-                "default): gradients are averaged over the initial world size.")
-        self.ddp, self.params = ddp, params
+    def __init__(self, ddp, params, autotune=None):
+        self.ddp, self.params, self.autotune = ddp, params, autotune
 
     def main_hook(self) -> None:
         """Shadows one iteration of a training rank's collectives."""
@@ -38,6 +38,8 @@ class ReducerJoinHook(JoinHook):
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
             return
+        if self.autotune is not None:
+            self.autotune.before_forward()
         ddp.reducer.shadow_backward()  # the buckets (through the comm hook), the used map
 
     def post_hook(self, is_last_joiner: bool) -> None:

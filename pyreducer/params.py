@@ -27,6 +27,8 @@ class ReducedParams:
         group_keys: "dtype/device" per parameter (csrc/bucket.h group_key): parameters with
             different keys never share a bucket.
         process_group: the group gradients are averaged over.
+        sparse: per parameter, whether it produces sparse gradients (it belongs to an
+            nn.Embedding or nn.EmbeddingBag with sparse=True, as torch DDP decides).
         module: the wrapped module (for its buffers, looked up at every use).
         ignored: names of parameters and buffers excluded from reduction and syncing.
     """
@@ -35,19 +37,21 @@ class ReducedParams:
     sizes_bytes: tuple[int, ...]
     group_keys: tuple[str, ...]
     process_group: object
+    sparse: tuple[bool, ...] = ()
     module: nn.Module | None = None
     ignored: frozenset = frozenset()
 
     @staticmethod
     def of(named: list[tuple[str, torch.Tensor]], process_group=None, module=None,
-           ignored=frozenset()) -> "ReducedParams":
-        """From (name, parameter) pairs in reduction order."""
+           ignored=frozenset(), sparse=None) -> "ReducedParams":
+        """From (name, parameter) pairs in reduction order (and sparse flags, default none)."""
         tensors = tuple(p for _, p in named)
         return ReducedParams(names=tuple(n for n, _ in named), tensors=tensors,
                              sizes_bytes=tuple(_C.size_bytes(p) for p in tensors),
                              group_keys=tuple(_C.group_key(p) for p in tensors),
-                             process_group=process_group, module=module,
-                             ignored=frozenset(ignored))
+                             process_group=process_group,
+                             sparse=tuple(sparse) if sparse else (False,) * len(tensors),
+                             module=module, ignored=frozenset(ignored))
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -77,14 +81,16 @@ class ReducedParams:
         return params + (self.buffers() if with_buffers else [])
 
 
-def reduced_parameters(module: nn.Module, ignored) -> list[tuple[str, torch.Tensor]]:
+def reduced_parameters(module: nn.Module, ignored) -> tuple[list, list[bool]]:
     """(name, param) of every parameter that requires grad and is not ignored, de-duplicated
-    (tied parameters appear once, under their first name), in torch DDP's order."""
-    seen, named = set(), []
+    (tied parameters appear once, under their first name), in torch DDP's order; and per
+    parameter whether its (first) module makes its gradient sparse, as torch DDP decides."""
+    seen, named, sparse = set(), [], []
     for module_name, sub in module.named_modules():
         for param_name, param in sub.named_parameters(recurse=False):
             fqn = f"{module_name}.{param_name}" if module_name else param_name
             if param.requires_grad and fqn not in ignored and param not in seen:
                 seen.add(param)
                 named.append((fqn, param))
-    return named
+                sparse.append(isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse)
+    return named, sparse

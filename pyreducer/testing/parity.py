@@ -64,6 +64,39 @@ class MixedDtypes(nn.Module):
         return self.c(h.bfloat16()).float()
 
 
+class SparseEmbeddings(nn.Module):
+    """Sparse-gradient nn.Embedding and nn.EmbeddingBag (each in a bucket of its own) beside
+    dense layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(40, 16, sparse=True)
+        self.bag = nn.EmbeddingBag(40, 16, mode="sum", sparse=True)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids):
+        h = self.embed(ids).mean(1) + self.bag(ids)
+        return self.head(torch.tanh(self.mix(h)))
+
+
+class SkipsEverywhere(nn.Module):
+    """A branch skipped on some iterations and a head never used, the same on every rank (as
+    skip_all_reduce_unused_params requires). The unused head is large enough for buckets of
+    its own at small caps."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.branch = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.head, self.never = nn.Linear(16, 4), nn.Linear(16, 64)
+
+    def forward(self, x, use_branch=True):
+        h = torch.relu(self.trunk(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
 def _regression(gen, size):
     return torch.randn(size, 16, generator=gen), torch.randn(size, 4, generator=gen)
 
@@ -79,9 +112,29 @@ def _plain_loss(model, batch, step, rank):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def _ids(gen, size):
+    return torch.randint(0, 40, (size, 5), generator=gen), torch.randn(size, 4, generator=gen)
+
+
+def _same_branch_loss(model, batch, step, rank):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x, use_branch=step % 2 == 0), y)
+
+
+def _delay_last_layer(module):
+    """torch DDP's delayed all-reduce of the mlp's last layer, hooked on its first weight (the
+    last gradient of backward)."""
+    return dict(delay_all_reduce_named_params=[(n, p) for n, p in module.named_parameters()
+                                               if n.startswith("4.")],
+                param_to_hook_all_reduce=module[0].weight)
+
+
 LOCAL_MODELS = {"branchy": (Branchy, _regression, _branch_loss),
                 "checkpointed": (Checkpointed, _regression, _plain_loss),
-                "mixed_dtypes": (MixedDtypes, _regression, _plain_loss)}
+                "mixed_dtypes": (MixedDtypes, _regression, _plain_loss),
+                "sparse": (SparseEmbeddings, _ids, _plain_loss),
+                "skips": (SkipsEverywhere, _regression, _same_branch_loss),
+                "skips_static": (SkipsEverywhere, _regression, _plain_loss)}
 
 SCENARIOS = {
     "mlp_sgd": dict(model="mlp", opt="sgd"),
@@ -121,12 +174,33 @@ SCENARIOS = {
     "channels_last": dict(model="cnn", opt="adam", channels_last=True),
     # mixed dtypes (float32 + float64 + bfloat16) and a frozen layer
     "mixed_dtypes_frozen": dict(model="mixed_dtypes", opt="sgd", ddp=dict(bucket_cap_mb=0.001)),
+    # sparse gradients (SGD without momentum: torch's optimizers for sparse gradients)
+    "sparse": dict(model="sparse", opt="sgd_plain"),
+    "sparse_bucket_view_no_sync": dict(model="sparse", opt="sgd_plain", micro=2, how="no_sync",
+                                       ddp=dict(gradient_as_bucket_view=True,
+                                                bucket_cap_mb=0.001)),
+    "sparse_batched_find_unused": dict(model="sparse", opt="sgd_plain",
+                                       ddp=dict(batched_grad_copy=True,
+                                                find_unused_parameters=True)),
+    # buckets of parameters unused on every rank are not all-reduced (one bucket each)
+    "skip_all_reduce_unused": dict(model="skips", opt="sgd",
+                                   ddp=dict(find_unused_parameters=True, bucket_cap_mb=0.001,
+                                            skip_all_reduce_unused_params=True)),
+    "skip_all_reduce_unused_static": dict(model="skips_static", opt="adam",
+                                          ddp=dict(static_graph=True, bucket_cap_mb=0.001,
+                                                   skip_all_reduce_unused_params=True)),
+    # the last layer's all-reduce delayed until the first layer's gradient (torch DDP never
+    # waits for it: a barrier after backward lets torch's finish before the step)
+    "delay_all_reduce": dict(model="mlp", opt="adam", ddp_from_module=_delay_last_layer,
+                             barrier=True),
 }
 
 
 def _optimizer(kind, params):
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if kind == "sgd_plain":
+        return torch.optim.SGD(params, lr=0.05)
     return torch.optim.Adam(params, lr=1e-2)
 
 
@@ -153,7 +227,10 @@ def train(cls, base, scenario, rank, device="cpu"):
     kwargs = dict(scenario.get("ddp", {}))
     if device.type == "cuda":
         kwargs["device_ids"] = [device.index]
-    model = cls(copy.deepcopy(base).to(device), **kwargs)
+    module = copy.deepcopy(base).to(device)
+    if "ddp_from_module" in scenario:
+        kwargs.update(scenario["ddp_from_module"](module))
+    model = cls(module, **kwargs)
     opt = _optimizer(scenario["opt"], [p for p in model.parameters() if p.requires_grad])
     gen = torch.Generator().manual_seed(1000 + rank)
     micro = scenario.get("micro", 1)
@@ -168,11 +245,23 @@ def train(cls, base, scenario, rank, device="cpu"):
             if scenario.get("how") == "attribute":
                 model.require_backward_grad_sync = last
             loss_fn(model, _on(make_batch(gen, 8), device), step, rank).backward()
+        if scenario.get("barrier"):
+            torch.distributed.barrier()  # Gloo: completes every collective issued before it
         opt.step()
     state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-    state.update({f"{n}.grad": (p.grad.clone() if p.grad is not None else None)
+    state.update({f"{n}.grad": (_dense(p.grad) if p.grad is not None else None)
                   for n, p in model.module.named_parameters()})
     return state, model
+
+
+def _dense(grad):
+    """A copy of `grad`, dense (sparse gradients compare as their dense values)."""
+    return grad.to_dense() if grad.is_sparse else grad.clone()
+
+
+def sparse_grads(model) -> list[str]:
+    """Names of the parameters whose .grad is sparse."""
+    return [n for n, p in model.module.named_parameters() if p.grad is not None and p.grad.is_sparse]
 
 
 def parity_worker(rank, world_size, names, device_type="cpu"):
@@ -191,8 +280,12 @@ def parity_worker(rank, world_size, names, device_type="cpu"):
         base = _model_fns(scenario["model"])[0]()
         if scenario.get("channels_last"):
             base = base.to(memory_format=torch.channels_last)
-        torch_state, _ = train(TorchDDP, base, scenario, rank, device)
+        torch_state, theirs = train(TorchDDP, base, scenario, rank, device)
         ours_state, ours = train(DistributedDataParallel, base, scenario, rank, device)
         out[name] = dict(torch=torch_state, ours=ours_state, buckets=ours.bucket_plan(),
-                         num_params=len(list(ours.parameters())))
+                         num_params=len(list(ours.parameters())),
+                         sparse_grads=dict(torch=sparse_grads(theirs), ours=sparse_grads(ours)),
+                         buckets_reduced=dict(
+                             torch=theirs._get_ddp_logging_data().get("num_buckets_reduced"),
+                             ours=ours._get_ddp_logging_data().get("num_buckets_reduced")))
     return out

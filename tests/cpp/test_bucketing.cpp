@@ -59,6 +59,12 @@ const std::vector<Case> kCases = {
      {{10, "a"}, {10, "b"}, {10, "a"}, {10, "b"}}, {}, {10, 100}, {{3}, {2}, {1}, {0}}},
     {"zero-size parameters are kept", same_group({0, 10, 0}), {}, {10}, {{2, 1}, {0}}},
     {"no parameters, no buckets", {}, {}, {10}, {}},
+    {"a sparse parameter gets a bucket of its own, at its walk position",
+     {{10, "float32/cpu"}, {10, "float32/cpu", true}, {10, "float32/cpu"}}, {}, {kMiB},
+     {{1}, {2, 0}}},
+    {"a sparse parameter neither fills nor closes its group's bucket",
+     {{10, "float32/cpu"}, {500, "float32/cpu", true}, {10, "float32/cpu"}}, {}, {20},
+     {{1}, {2, 0}}},
 };
 
 int run_cases() {

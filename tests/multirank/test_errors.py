@@ -50,10 +50,20 @@ def unused_parameter_worker(rank, world_size):
     return _capture(lambda: model(torch.randn(2, 4)).sum().backward())
 
 
-def sparse_gradient_worker(rank, world_size):
+class _TwoEmbeddings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Embedding(10, 3, sparse=True)
+        self.skipped = nn.Embedding(10, 3, sparse=True)
+
+    def forward(self, ids):
+        return self.used(ids)
+
+
+def sparse_gradient_missing_worker(rank, world_size):
     from pyreducer import DistributedDataParallel
 
-    model = DistributedDataParallel(nn.Embedding(10, 3, sparse=True))
+    model = DistributedDataParallel(_TwoEmbeddings(), find_unused_parameters=True)
     return _capture(lambda: model(torch.tensor([1, 2])).sum().backward())
 
 
@@ -121,11 +131,14 @@ def test_unused_parameter_named_at_end_of_backward():
         assert r["seconds"] < 30
 
 
-def test_sparse_gradient_named():
-    results = run_ranks(sparse_gradient_worker, 2, timeout_s=60)
-    for r in results:
+def test_missing_sparse_gradient_named():
+    """torch DDP cannot reduce a sparse gradient that is not there (it raises "Expected sparse
+    gradient to be defined."); pyreducer says so with torch's words, naming the parameter."""
+    results = run_ranks(sparse_gradient_missing_worker, 2, timeout_s=60)
+    for rank, r in enumerate(results):
         assert r["error"] is not None
-        assert "weight" in r["error"] and "Sparse" in r["error"] and "dense" in r["error"]
+        assert "Expected sparse gradient to be defined." in r["error"]
+        assert f"parameter skipped.weight on rank {rank}" in r["error"]
 
 
 def test_dead_peer_raises_instead_of_hanging():

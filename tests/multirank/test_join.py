@@ -24,6 +24,15 @@ CASES = {
     "mlp_powersgd_hook": dict(model="mlp", ddp=dict(bucket_cap_mb=1000), hook="powerSGD"),
     # pyreducer's built-in C++ fp16 hook, against the same arithmetic as a torch Python hook.
     "mlp_builtin_fp16": dict(model="mlp", ddp=dict(bucket_cap_mb=0.1), hook="builtin_fp16"),
+    # divided by the ranks still training, not the initial world size
+    "mlp_divide_by_training_ranks": dict(model="mlp", ddp=dict(bucket_cap_mb=0.1),
+                                         join=dict(divide_by_initial_world_size=False)),
+    "cnn_divide_by_training_ranks_views": dict(
+        model="cnn", ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=0.01),
+        join=dict(divide_by_initial_world_size=False)),
+    # autotune (ours only; torch's side runs DDP's caps): rank 0 joins while the others probe,
+    # measure and choose, so the joined rank must shadow the tuner's collectives too
+    "mlp_autotune": dict(model="mlp", ddp={}, autotune=True, batches=lambda rank: 4 + 10 * rank),
 }
 
 
@@ -63,20 +72,28 @@ def _batches(rank):
 
 def _train(cls, base, case, rank):
     from pyreducer.testing import models
+    from pyreducer.tuning import AutotuneConfig
 
     spec = models.spec(case["model"])
-    model = cls(copy.deepcopy(base), **case["ddp"])
+    ours = cls.__module__.startswith("pyreducer")
+    kwargs = dict(case["ddp"])
+    if case.get("autotune") and ours:
+        kwargs["bucket_cap_mb"] = AutotuneConfig(warmup_iterations=1, measure_iterations=2,
+                                                 candidates=2)
+    model = cls(copy.deepcopy(base), **kwargs)
     if "hook" in case:
-        _register_hook(model, case["hook"], ours=cls.__module__.startswith("pyreducer"))
+        _register_hook(model, case["hook"], ours=ours)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(50 + rank)
-    with model.join():
-        for _ in range(_batches(rank)):
+    with model.join(**case.get("join", {})):
+        for _ in range(case.get("batches", _batches)(rank)):
             opt.zero_grad()
             spec.loss(model, spec.batch(gen, 8)).backward()
             opt.step()
     state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
     state.update({f"{n}.grad": p.grad.detach().clone() for n, p in model.module.named_parameters()})
+    if ours:
+        state["autotune_log"] = model.autotune_log
     return state
 
 
@@ -106,6 +123,8 @@ def test_join_matches_torch_ddp(joined, name):
     for rank, r in enumerate(results):
         theirs, ours = r[name]["torch"], r[name]["ours"]
         for key in theirs:
+            if key == "autotune_log":
+                continue
             if theirs[key].is_floating_point():
                 diff = (ours[key] - theirs[key]).abs().max().item()
                 assert diff <= 1e-6, f"rank {rank}: {key} differs by {diff:.3g}"
@@ -113,5 +132,17 @@ def test_join_matches_torch_ddp(joined, name):
                 assert torch.equal(ours[key], theirs[key]), f"rank {rank}: {key}"
     for rank in range(1, world_size):  # the final broadcast makes all ranks' parameters equal
         for key, value in results[rank][name]["ours"].items():
-            if not key.endswith(".grad"):
+            if not key.endswith(".grad") and key != "autotune_log":
                 assert torch.equal(value, results[0][name]["ours"][key]), f"rank {rank}: {key}"
+
+
+def test_autotune_decides_while_a_rank_has_joined(joined):
+    """Rank 0 joins after 4 batches; the tuner (warm-up 1, 2 steps per plan) decides later, with
+    rank 0 shadowing its collectives; every rank logs the same decisions."""
+    world_size, results = joined
+    logs = [r["mlp_autotune"]["ours"]["autotune_log"] for r in results]
+    events = [[e["event"] for e in log] for log in logs]
+    assert events[0][-1] == "chosen" and all(e == events[0] for e in events), events
+    assert [e.get("plan") for e in logs[0]] == [e.get("plan") for e in logs[-1]]
+    chosen_at = logs[0][-1]["iteration"]
+    assert chosen_at > 4, chosen_at  # decided after rank 0 had joined

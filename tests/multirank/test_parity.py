@@ -58,6 +58,23 @@ def test_parameters_actually_trained(parity):
     assert all(state[k].abs().sum() > 0 for k in state if k.endswith(".grad"))
 
 
+def test_sparse_gradients_stay_sparse(parity):
+    _, results = parity
+    for name in ("sparse", "sparse_bucket_view_no_sync", "sparse_batched_find_unused"):
+        found = results[0][name]["sparse_grads"]
+        assert found["ours"] == found["torch"] == ["embed.weight", "bag.weight"], name
+
+
+def test_unused_buckets_are_skipped_as_in_torch(parity):
+    """The skipped buckets are really skipped (fewer all-reduces), as many as torch DDP skips;
+    the parameters matched torch's above. Step 5 (the last sampled) skips branch and head."""
+    _, results = parity
+    for name in ("skip_all_reduce_unused", "skip_all_reduce_unused_static"):
+        reduced = results[0][name]["buckets_reduced"]
+        total = len(results[0][name]["buckets"])
+        assert reduced["ours"] == reduced["torch"] < total, (name, reduced, total)
+
+
 def test_bucket_caps_shape_the_plan(parity):
     _, results = parity
     per_param = results[0]["bucket_per_param"]

@@ -169,6 +169,25 @@ def _outlived_checks(results, rank):
     results["outlived_grads"] = all(p.grad is not None for p in module.parameters())
 
 
+def _short_lived_checks(results, rank):
+    """Wrappers dropped right after their backward, with a communication hook whose future's
+    callback (it stamps the timeline's done time) may run after the wait for it returned: the
+    callback must not write into a freed timeline (it did: "corrupted double-linked list")."""
+    import gc
+
+    from pyreducer import DistributedDataParallel
+
+    for i in range(60):
+        model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)),
+                                        bucket_cap_mb=0.01, gradient_predivide_factor=2.0)
+        model(torch.randn(4, 64)).sum().backward()
+        del model
+        gc.collect()
+        churn = [torch.empty(n % 13 + 1) for n in range(200)]  # reuse freed blocks at once
+        del churn
+    results["short_lived"] = i + 1
+
+
 def wrapper_worker(rank, world_size, tmp_dir):
     results = {}
     _state_dict_checks(results)
@@ -178,6 +197,7 @@ def wrapper_worker(rank, world_size, tmp_dir):
     _plan_replay_checks(results, rank, tmp_dir)
     _sequence_checks(results, rank)
     _outlived_checks(results, rank)
+    _short_lived_checks(results, rank)
     return results
 
 
@@ -249,3 +269,7 @@ def test_second_backward_after_one_forward_is_an_error(wrapper):
 
 def test_graph_outliving_its_wrapper_is_safe(wrapper):
     assert all(r["outlived_grads"] for r in wrapper)
+
+
+def test_short_lived_wrappers_with_hooks_are_safe(wrapper):
+    assert all(r["short_lived"] == 60 for r in wrapper)

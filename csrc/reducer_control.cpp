@@ -1,0 +1,163 @@
+// The Reducer between iterations: the Python thread's calls that configure it (communication
+// hooks, static graph, the join divisor), a joined rank's shadow backward, and what it reports
+// (iterations, the last backward's stats, the last error). The iteration itself is in
+// reducer.cpp (see Note [Reducer iteration]), its bucket I/O in reducer_buckets.cpp.
+#include "reducer.h"
+
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+namespace pyreducer {
+
+namespace {
+
+// Zeroes the buckets for shadow_backward. With gradient_as_bucket_view the buckets are this
+// rank's param.grad: it swaps in zeroed stand-ins instead (views laid out as the real ones, for
+// hooks), and the real buffers back when it goes out of scope (as torch's zeros_like buckets).
+class ZeroedBuckets {
+ public:
+  ZeroedBuckets(std::vector<Bucket>& buckets, const std::vector<at::Tensor>& params,
+                bool stand_ins)
+      : buckets_(buckets) {
+    for (Bucket& bucket : buckets_) {
+      if (bucket.sparse) {  // no buffer between iterations: an empty sparse gradient stands in
+        const at::Tensor& param = params[bucket.param_indices.front()];
+        std::vector<int64_t> dense_sizes(param.sizes().begin() + 1, param.sizes().end());
+        dense_sizes.insert(dense_sizes.begin(), 0);
+        bucket.flat = at::sparse_coo_tensor(at::empty({1, 0}, param.options().dtype(at::kLong)),
+                                            at::empty(dense_sizes, param.options()),
+                                            param.sizes());
+        continue;
+      }
+      if (!stand_ins) {
+        bucket.flat.zero_();
+        continue;
+      }
+      saved_.emplace_back(bucket.flat, bucket.views);
+      bucket.flat = at::zeros_like(bucket.flat);
+      for (size_t k = 0; k < bucket.views.size(); ++k) {
+        const at::Tensor& real = saved_.back().second[k];
+        bucket.views[k] = bucket.flat.as_strided(real.sizes(), real.strides(), bucket.offsets[k]);
+      }
+    }
+  }
+  ~ZeroedBuckets() {
+    size_t next = 0;  // saved_ holds the dense buckets' buffers, in bucket order
+    for (Bucket& bucket : buckets_) {
+      if (bucket.sparse) {
+        bucket.flat = at::Tensor();
+      } else if (next < saved_.size()) {
+        bucket.flat = std::move(saved_[next].first);
+        bucket.views = std::move(saved_[next].second);
+        next += 1;
+      }
+    }
+  }
+  ZeroedBuckets(const ZeroedBuckets&) = delete;
+  ZeroedBuckets& operator=(const ZeroedBuckets&) = delete;
+
+ private:
+  std::vector<Bucket>& buckets_;
+  std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> saved_;
+};
+
+}  // namespace
+
+bool Reducer::armed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return armed_;
+}
+
+int64_t Reducer::num_iterations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return num_iterations_;
+}
+
+BackwardStats Reducer::last_backward_stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_stats_;
+}
+
+std::string Reducer::last_error() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_error_;
+}
+
+void Reducer::set_static_graph(bool rebuild) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (num_iterations_ > 0) {
+    last_error_ = "set_static_graph() should be called before training loop starts and after "
+                  "DistributedDataParallel is constructed.";
+    throw std::runtime_error(last_error_ + " (pyreducer: " + std::to_string(num_iterations_) +
+                             " synced iteration(s) already ran on rank " +
+                             std::to_string(group_->getRank()) + ")");
+  }
+  options_.static_graph = true;
+  if (rebuild && !ready_order_complete_) rebuild_pending_ = true;
+}
+
+void Reducer::divide_next_backward_by(int64_t ranks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (ranks < 1 || ranks > world_size_) {
+    throw std::invalid_argument("pyreducer: expected between 1 and " +
+                                std::to_string(world_size_) + " training ranks, got " +
+                                std::to_string(ranks));
+  }
+  next_divisor_ = ranks;
+}
+
+void Reducer::register_comm_hook(std::shared_ptr<CommHook> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (comm_hook_) {
+    throw std::runtime_error(
+        "register_comm_hook or register_builtin_comm_hook can only be called once. (pyreducer: " +
+        comm_hook_->name() + " is already registered)");
+  }
+  if (num_iterations_ > 0) {
+    throw std::runtime_error("pyreducer: register_comm_hook must be called before the first "
+                             "synced forward (as in torch DDP); " +
+                             std::to_string(num_iterations_) + " iteration(s) already ran");
+  }
+  comm_hook_ = std::move(hook);  // the hook averages: copy-in does not scale (prepare_for_backward)
+}
+
+void Reducer::shadow_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (armed_ || finalize_queued_) {
+    throw std::logic_error("pyreducer: shadow_backward called while a backward is pending");
+  }
+  num_iterations_ += 1;  // as the training ranks' synced forward counts it
+  const bool used_map = dynamic_find_unused() || static_first_iteration();
+  at::NoGradGuard no_grad;
+  try {
+    const ZeroedBuckets zeroed(set_.buckets, params_, options_.gradient_as_bucket_view);
+    for (size_t b = 0; b < set_.buckets.size(); ++b) {
+      launch_bucket(b);  // record_ is null: nothing is recorded
+    }
+    if (used_map) {
+      std::fill(locally_used_.begin(), locally_used_.end(), 0);
+      launch_used_map_allreduce();
+    }
+    for (size_t b = 0; b < set_.buckets.size(); ++b) wait_bucket(b);
+    if (used_map) wait_or_throw(used_map_work_, group_, "all-reduce of the used-parameter map");
+  } catch (...) {
+    reset_iteration();
+    throw;
+  }
+  reset_iteration();
+  // As finalize_backward: the order is taken when a training rank's backward would record it.
+  if (rebuild_pending_ && !ready_order_complete_ && !static_first_iteration()) {
+    ready_order_.clear();
+    for (size_t i = 0; i < params_.size(); ++i) ready_order_.push_back(static_cast<int64_t>(i));
+    ready_order_complete_ = true;
+  }
+}
+
+void Reducer::note_unsynced_forward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  finalized_since_forward_ = false;
+}
+
+}  // namespace pyreducer

@@ -1,0 +1,72 @@
+"""torch DDP's `mixed_precision` (torch.nn.parallel.distributed._MixedPrecision), with its numerics.
+
+What torch DDP does with `mixed_precision=_MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`:
+buffers are cast to `buffer_dtype` once, at construction; every forward runs on copies of the
+parameters in `param_dtype`, with floating-point inputs cast to `param_dtype`; the gradients
+(in `param_dtype`) are copied into the buckets without scaling, cast to `reduce_dtype`,
+all-reduced (SUM), divided by the world size in `reduce_dtype`, and written into the
+full-precision parameters' `.grad`, so the optimizer steps in full precision.
+
+How pyreducer does it (Note [Mixed precision]): the forward runs the module with each parameter
+replaced by a differentiable cast `param.to(param_dtype)` (torch.func.functional_call, tied
+parameters cast once), so autograd itself hands the full-precision parameter the low-precision
+gradient, cast up exactly (every `param_dtype` value is a full-precision value); the Reducer's
+hooks stay on the parameters' own AccumulateGrad nodes. The communication is a built-in C++
+hook ("mixed precision": cast to `reduce_dtype`, SUM, divide by the world size), as torch's
+`_reducer_allreduce_and_upcast_hook`. So `.grad` holds the same values as torch DDP's, bit for bit
+where the collective sums in the same order. torch's own implementation needs CUDA (it records
+stream events); this one runs on any device. Where they differ: torch swaps `param.data`, so
+`module.weight.dtype` is `param_dtype` inside forward here too, but parameters read through
+`named_parameters()` outside forward are always the full-precision ones; and gradients
+accumulated across iterations (no_sync, zero_grad(set_to_none=False)) add up in full precision
+(torch casts the accumulated `.grad` down to `param_dtype` before each forward).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pyreducer import nested
+
+
+def check_config(config) -> None:
+    """A _MixedPrecision-like config: param_dtype must be a floating dtype; reduce_dtype and
+    buffer_dtype may be None (reduce in param_dtype; leave buffers as they are)."""
+    for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        if not hasattr(config, field):
+            raise TypeError("mixed_precision expects a torch.nn.parallel.distributed."
+                            f"_MixedPrecision (param_dtype, reduce_dtype, buffer_dtype); {config!r} "
+                            f"has no {field}")
+    if not isinstance(config.param_dtype, torch.dtype) or not config.param_dtype.is_floating_point:
+        raise ValueError("mixed_precision.param_dtype must be a floating-point torch.dtype, got "
+                         f"{config.param_dtype!r}")
+
+
+def reduce_dtype(config) -> torch.dtype:
+    return config.reduce_dtype if config.reduce_dtype is not None else config.param_dtype
+
+
+class MixedPrecisionForward:
+    """Runs a module's forward on `param_dtype` copies of its (not ignored) parameters."""
+
+    def __init__(self, config, module: nn.Module, ignored: frozenset):
+        check_config(config)
+        self.config, self.module = config, module
+        self.names = [name for name, _ in module.named_parameters() if name not in ignored]
+        if config.buffer_dtype is not None:
+            for name, buffer in module.named_buffers():
+                if name not in ignored and buffer.is_floating_point():
+                    buffer.data = buffer.to(config.buffer_dtype)
+
+    def __call__(self, *inputs, **kwargs):
+        dtype = self.config.param_dtype
+        params = dict(self.module.named_parameters())
+        low = {name: params[name].to(dtype) for name in self.names}
+        inputs, kwargs = cast_inputs(dtype, inputs), cast_inputs(dtype, kwargs)
+        return torch.func.functional_call(self.module, low, inputs, kwargs, strict=False,
+                                          tie_weights=True)
+
+
+def cast_inputs(dtype: torch.dtype, obj):
+    """Floating-point tensors in `obj` cast to `dtype` (torch's _cast_forward_inputs)."""
+    return nested.map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)

@@ -16,7 +16,7 @@ venv: $(DEPS_STAMP)
 $(DEPS_STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
-	$(VPY) -m pip install --quiet --disable-pip-version-check numpy pytest ninja matplotlib
+	$(VPY) -m pip install --quiet --disable-pip-version-check numpy pytest ninja matplotlib expecttest
 	@command -v cmake >/dev/null || $(VPY) -m pip install --quiet --disable-pip-version-check cmake
 	touch $@
 
@@ -65,7 +65,7 @@ CUDA_STAMP := $(CUDA_VENV)/.deps-$(CUDA_TORCH_VERSION)
 $(CUDA_STAMP):
 	$(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check torch==$(CUDA_TORCH_VERSION)
-	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check numpy pytest ninja matplotlib
+	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check numpy pytest ninja matplotlib expecttest
 	touch $@
 
 CUDA_ARCHS ?= 8.0;9.0

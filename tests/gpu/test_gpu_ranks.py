@@ -7,13 +7,16 @@ import pytest
 import torch
 
 from gpu_kit import GPUS, nccl_ranks, needs_gpus
-from gpu_workers import (allreduce_busbw_gbps, big_bucket_worker, join_fp16_worker,
-                         no_set_device_worker, strides_worker, two_streams_worker)
+from gpu_workers import (allreduce_busbw_gbps, averaging_worker, big_bucket_worker,
+                         join_fp16_worker, mixed_precision_worker, no_set_device_worker,
+                         strides_worker, two_streams_worker)
 from pyreducer.testing.parity import SCENARIOS, parity_worker
 
 # Scenarios whose arithmetic is torch DDP's exactly: bit for bit. The others (static graphs,
-# whose first iteration reduces in parameter order) within 1e-6, as on CPU.
-BITWISE = [name for name in SCENARIOS if not name.startswith("static_graph")]
+# whose first iteration reduces in parameter order) within 1e-6, as on CPU. The scenarios
+# include sparse embeddings (a sparse all-reduce on NCCL), skipped unused buckets and the
+# delayed all-reduce.
+BITWISE = [name for name, s in SCENARIOS.items() if not s.get("ddp", {}).get("static_graph")]
 WORLD_SIZES = [pytest.param(n, marks=needs_gpus(n), id=f"{n}gpus") for n in (2, 3)]
 
 
@@ -92,6 +95,25 @@ def test_buckets_wait_for_the_streams_their_gradients_were_copied_on():
         for step, (two, one) in enumerate(zip(result["two_streams"], result["one_stream"])):
             for a, b in zip(two, one):
                 assert torch.equal(a, b), f"rank {rank}, step {step}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_mixed_precision_matches_torch_ddp(world_size):
+    """On CUDA torch's own mixed precision runs: pyreducer's must give its gradients and
+    parameters bit for bit (float16, and bfloat16 reduced in float32)."""
+    for rank, result in enumerate(nccl_ranks(mixed_precision_worker, world_size)):
+        for name in ("fp16", "bf16_reduce_fp32"):
+            ours, theirs = result[(name, "ours")], result[(name, "torch")]
+            for step, (a, b) in enumerate(zip(ours["grads"], theirs["grads"])):
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{name} rank {rank} {step}"
+            assert all(torch.equal(x, y) for x, y in zip(ours["params"], theirs["params"]))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_predivide_and_reduce_dtype_on_cuda(world_size):
+    for rank, result in enumerate(nccl_ranks(averaging_worker, world_size)):
+        for a, b in zip(result["ours"], result["expected"]):
+            assert torch.equal(a, b), f"rank {rank}"
 
 
 def test_gpu_count_is_reported():

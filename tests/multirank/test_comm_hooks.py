@@ -208,3 +208,45 @@ def test_python_hook_runs_once_per_bucket_and_nothing_else(hook_path):
 def test_hook_misuse_is_a_clear_error(hook_path, key, words):
     message = hook_path[0]["errors"][key]
     assert message is not None and words in message, message
+
+
+def sparse_hooks_worker(rank, world_size):
+    """Sparse-gradient embeddings through torch's allreduce hook and through a hook that
+    all-reduces the bucket itself: the hook receives the sparse gradient as the bucket."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing.parity import SparseEmbeddings
+
+    def mean_hook(state, bucket):
+        seen.append(bucket.buffer().is_sparse)
+        future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+        return future.then(lambda fut: fut.value()[0].div_(dist.get_world_size()))
+
+    torch.manual_seed(3)
+    base = SparseEmbeddings()
+    out, seen = {}, []
+    for name, hook in (("allreduce", default_hooks.allreduce_hook), ("mean", mean_hook)):
+        for key, cls in (("torch", TorchDDP), ("ours", DistributedDataParallel)):
+            model = cls(copy.deepcopy(base), bucket_cap_mb=0.001)
+            model.register_comm_hook(None, hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            gen = torch.Generator().manual_seed(rank)
+            for _ in range(STEPS):
+                opt.zero_grad()
+                ids = torch.randint(0, 40, (6, 5), generator=gen)
+                model(ids).square().mean().backward()
+                opt.step()
+            out[(name, key)] = [p.detach().clone() for p in model.parameters()]
+    out["sparse_buckets_seen"] = sum(seen)
+    return out
+
+
+def test_sparse_gradients_through_hooks_match_torch_ddp(ranks_once):
+    for rank, r in enumerate(ranks_once(sparse_hooks_worker, 2, ())):
+        for name in ("allreduce", "mean"):
+            for a, b in zip(r[(name, "ours")], r[(name, "torch")]):
+                assert torch.equal(a, b), f"rank {rank}: {name} hook"
+        assert r["sparse_buckets_seen"] == 2 * STEPS * 2  # 2 sparse buckets, both wrappers

@@ -29,6 +29,7 @@ for step in range(STEPS):
     opt.step()
 with torch.no_grad():  # an evaluation forward: not a recorded iteration
     model(torch.randn(8, 16, generator=gen))
+dist.barrier()  # all ranks done before Gloo is torn down (torch 2.13 can abort at exit otherwise)
 dist.destroy_process_group()
 """
 STEPS = 6

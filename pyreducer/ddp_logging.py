@@ -115,16 +115,16 @@ class DDPLogger:
             raise ValueError(message)
         self.sample_rate = int(sample_rate)
 
-    def before_synced_forward(self, has_rebuilt: bool, rebuilt_layout) -> None:
+    def before_synced_forward(self, has_rebuilt: bool) -> None:
         """At the start of a synced forward (grad enabled, sync on), before it counts: publishes
         the last iteration's stats if it was sampled, and times this forward if it will be."""
         iteration = self.reducer.num_iterations
         if self.should_collect(iteration):
-            self._publish(iteration, has_rebuilt, rebuilt_layout)
+            self._publish(iteration, has_rebuilt)
         if self.should_collect(iteration + 1):
             self._forward_start_ns = {iteration + 1: self._now_ns()}
 
-    def _publish(self, iteration: int, has_rebuilt: bool, rebuilt_layout) -> None:
+    def _publish(self, iteration: int, has_rebuilt: bool) -> None:
         stats = self.reducer.backward_stats()
         self._sampled += 1
         ints, strs = self.ints, self.strs
@@ -134,6 +134,7 @@ class DDPLogger:
         if ints.get("has_rebuilt_buckets") != int(has_rebuilt):
             ints["has_rebuilt_buckets"] = int(has_rebuilt)
             if has_rebuilt:
+                rebuilt_layout = self.reducer.bucket_layout()
                 strs["rebuilt_bucket_sizes"] = ", ".join(str(b["size_bytes"])
                                                          for b in rebuilt_layout)
                 strs["rebuilt_per_bucket_param_indices"] = ", ".join(

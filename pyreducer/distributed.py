@@ -259,8 +259,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         joined_work = Join.notify_join_context(self)
         if synced:
-            self._logger.before_synced_forward(self._has_rebuilt_buckets,
-                                               self.reducer.bucket_layout())
+            self._logger.before_synced_forward(self._has_rebuilt_buckets)
         if torch.is_grad_enabled() and self.reducer.rebuild_buckets():  # once, after the
             self._has_rebuilt_buckets = True                             # first synced backward
         if self.require_forward_param_sync and self.forward_sync_buffers:

@@ -21,6 +21,10 @@ CASES = {
     "delay_allreduce": dict(delay_allreduce=True),
     "retain_buffers_small_messages": dict(retain_allreduce_buffers=True, message_size=50),
     "trigger_params": dict(trigger=True),
+    # pyreducer's own wrapper, keyword-only options: the same arithmetic (gradient_average=True)
+    "own_predivide_fp32_bf16": dict(own=True, gradient_predivide_factor=4.0,
+                                    allreduce_always_fp32=True, dtype=torch.bfloat16),
+    "own_reduce_fp32_fp16": dict(own=True, allreduce_always_fp32=True, dtype=torch.float16),
 }
 
 
@@ -54,13 +58,18 @@ def _apex_bucket(grads, always_fp32, factor, average):
 
 
 def _ours(case, rank):
+    from pyreducer import DistributedDataParallel as Own
     from pyreducer.apex import DistributedDataParallel
 
-    options = {k: v for k, v in case.items() if k not in ("dtype", "trigger")}
+    options = {k: v for k, v in case.items() if k not in ("dtype", "trigger", "own")}
     module = _model(case.get("dtype", torch.float32))
     if case.get("trigger"):
         options["allreduce_trigger_params"] = [module[2].weight, module[0].bias]
-    model = DistributedDataParallel(module, **options)
+    if case.get("own"):
+        model = Own(module, gradient_predivide_factor=options.get("gradient_predivide_factor"),
+                    reduce_dtype=torch.float32 if options.get("allreduce_always_fp32") else None)
+    else:
+        model = DistributedDataParallel(module, **options)
     gen = torch.Generator().manual_seed(rank)
     plans, grads, views = [], [], []
     for _ in range(STEPS):
@@ -68,7 +77,7 @@ def _ours(case, rank):
         _loss(model, _batch(gen, case.get("dtype", torch.float32))).backward()
         plans.append([b["params"] for b in model.bucket_plan()])
         grads.append({n: p.grad.clone() for n, p in model.module.named_parameters()})
-        if model.retain_allreduce_buffers:
+        if getattr(model, "retain_allreduce_buffers", False):
             views.append(all(any(p.grad.untyped_storage().data_ptr() ==
                                  b.untyped_storage().data_ptr() for b in model.allreduce_buffers)
                              for p in model.module.parameters()))

@@ -65,15 +65,15 @@ FuturePtr AveragingHook::run(GradBucketView& bucket) {
   }
   if (options_.pre_multiplier != 1.0) reduced.mul_(wrapped_scalar(options_.pre_multiplier));
   WorkPtr work = allreduce_sum_async(group_, reduced);
-  const Options options = options_;
   // The callback runs once the sum is done (on CUDA: on a stream that waited for it; see
   // CompressHook::run).
   return work->getFuture()->then(
-      [reduced, options](c10::ivalue::Future& /*done*/) -> c10::IValue {
+      [reduced, post = options_.post, value = options_.post_value](
+          c10::ivalue::Future& /*done*/) -> c10::IValue {
         at::NoGradGuard no_grad;
         at::Tensor t = reduced;
-        if (options.post == Post::kMultiply) t.mul_(wrapped_scalar(options.post_value));
-        if (options.post == Post::kDivide) t.div_(wrapped_scalar(options.post_value));
+        if (post == Post::kMultiply) t.mul_(wrapped_scalar(value));
+        if (post == Post::kDivide) t.div_(wrapped_scalar(value));
         return c10::IValue(t);
       },
       c10::TensorType::get());

@@ -312,7 +312,7 @@ void Reducer::mark_ready(size_t index) {
   if (bucket.sparse) {
     mark_sparse_ready(index, bucket);
   } else {
-    copy_into_slot(index, bucket, bucket.views[location.slot]);
+    copy_into_slot(index, bucket.views[location.slot]);
   }
   note_copy_stream(bucket);  // See Note [Streams of a bucket]
   if (DeviceTimeline* device = device_recording()) device->grad_ready(record_->slot, index);
@@ -336,7 +336,7 @@ void Reducer::note_ready(size_t index) {
   }
 }
 
-void Reducer::copy_into_slot(size_t index, Bucket& bucket, at::Tensor& slot) {
+void Reducer::copy_into_slot(size_t index, at::Tensor& slot) {
   at::Tensor& grad = params_[index].mutable_grad();
   check_gradient(index, grad, slot);
   note_ready(index);

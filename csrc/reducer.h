@@ -84,7 +84,9 @@ struct ReducerOptions {
   std::vector<int64_t> sparse_params;
   // torch DDP's skip_all_reduce_unused_params: with unused parameters known (find_unused_parameters
   // or static_graph), a bucket whose parameters are all unused on this rank is not all-reduced,
-  // and its gradients are left as they are. Every rank must find the same parameters unused.
+  // and its gradients are not written back. Every rank must find the same parameters unused.
+  // As in torch DDP, with gradient_as_bucket_view an unused parameter whose .grad already is
+  // its bucket view was divided in place when marked ready, before the skip was known.
   bool skip_all_reduce_unused_params = false;
 };
 
@@ -209,7 +211,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void on_gradient(size_t index);  // autograd_hook's body
   void mark_ready(size_t index);
   void note_ready(size_t index);
-  void copy_into_slot(size_t index, Bucket& bucket, at::Tensor& slot);
+  void copy_into_slot(size_t index, at::Tensor& slot);
   void launch_ready_buckets();
   void launch_bucket(size_t b);
   void copy_bucket_in(size_t b);  // batched_grad_copy: the whole bucket at once

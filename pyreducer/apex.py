@@ -124,8 +124,11 @@ class DistributedDataParallel(distributed.DistributedDataParallel):
                                    self.bucket_plan()):
             names.update(zip(indices, bucket["params"]))
         params = dict(self.module.named_parameters())
+        order = list(dict.fromkeys(self.reducer.backward_stats()["ready_order"]))  # first firing
+        ready = set(order)
+        order += [i for i in names if i not in ready]  # never ready: last, as DDP's rebuild
         plan, open_by_key = [], {}
-        for index in self.reducer.backward_stats()["ready_order"]:
+        for index in order:
             param = params[names[index]]
             key = (param.dtype, param.device)
             open_by_key.setdefault(key, []).append(names[index])
@@ -167,9 +170,7 @@ def _per_dtype_plan(module) -> list[list[str]]:
     """One bucket per (dtype, device) of the parameters that require grad, in parameter order
     (Apex's first-iteration and delay_allreduce buckets)."""
     groups: dict = {}
-    seen = set()
-    for name, param in module.named_parameters():
-        if param.requires_grad and param not in seen:
-            seen.add(param)
+    for name, param in module.named_parameters():  # tied parameters once, under the first name
+        if param.requires_grad:
             groups.setdefault((param.dtype, param.device), []).append(name)
     return list(groups.values())

@@ -136,6 +136,17 @@ def check_comm_hook(hook) -> None:
                             "register_builtin_hook('bf16'))")
 
 
+def check_sparse_backend(params) -> None:
+    """Sparse gradients on NCCL: ProcessGroupNCCL (standard builds) has no sparse all-reduce, and
+    torch DDP fails with this message in the middle of backward; pyreducer says it at once."""
+    sparse = [n for n, s in zip(params.names, params.sparse) if s]
+    if sparse and params.device.type == "cuda" and \
+            "nccl" in str(dist.get_backend(params.process_group)):
+        raise RuntimeError("NCCL does not support all_reduce with sparse tensors. Please use dense "
+                           f"tensors instead. (pyreducer: {sparse} produce sparse gradients: "
+                           "nn.Embedding/EmbeddingBag with sparse=True)")
+
+
 def check_module(module: nn.Module, named: list, wrapper_types: tuple) -> None:
     """Refuses uninitialized (lazy) parameters, as torch DDP; and (pyreducer) a module that is
     already wrapped in a DDP, whose hooks would reduce every gradient twice."""

@@ -23,7 +23,8 @@ from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.ddp_logging import DDPLogger
 from pyreducer.delayed import DelayedAllReduce
-from pyreducer.join import ReducerJoinHook, find_common_rank, vote_backward_sync
+from pyreducer.join import (ReducerJoinHook, find_common_rank, refuse_unjoinable,
+                            vote_backward_sync)
 from pyreducer.params import ReducedParams, reduced_parameters
 from pyreducer.tuning.autotune import AutotuneConfig, AutoTuner
 from pyreducer.tuning.control import BucketTuning
@@ -93,6 +94,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
+        self._training_ranks = None  # join: this forward's count of training ranks (a work)
         arguments.warn_check_reduction(check_reduction)
         arguments.check_module(module, named, (DistributedDataParallel,))
         self._delayed = _delayed_all_reduce(delay_all_reduce_named_params,
@@ -102,14 +104,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._delay_all_reduce_all_params:
             return
         self._params = self._collect_params()
+        arguments.check_sparse_backend(self._params)
         if init_sync:
             self._sync_at_construction(init_sync_buffers)
         self._configure_buckets(bucket_cap_mb, bucket_cap_mb_list, bucket_plan)
         self._reducer_settings.update(batched_grad_copy=batched_grad_copy,
                                       timeline_iterations=timeline_iterations)
         self._averaging = self._averaging_settings(gradient_predivide_factor, reduce_dtype)
-        self._mixed = precision.MixedPrecisionForward(
-            mixed_precision, module, frozenset(self.parameters_to_ignore)) \
+        self._mixed = precision.MixedPrecisionForward(mixed_precision, module) \
             if mixed_precision is not None else None
         self._build_engine()
         self._recorder = self._start_recorder_if_asked()
@@ -141,22 +143,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         """The built-in averaging hook's settings (csrc/comm_hook.h AveragingHook), or None for
         torch DDP's own scheme (1/world_size in the copy-in, SUM). Subclasses (pyreducer.apex)
         may average differently."""
-        world_size = dist.get_world_size(self.process_group)
-        if self.mixed_precision is not None:
-            if predivide_factor is not None or reduce_dtype is not None:
-                raise ValueError("pyreducer: mixed_precision sets how buckets are reduced; it "
-                                 "cannot be combined with gradient_predivide_factor or "
-                                 "reduce_dtype")
-            return dict(reduce_dtype=precision.reduce_dtype(self.mixed_precision),
-                        pre_multiplier=1.0, post="divide", post_value=float(world_size),
-                        name="mixed precision")
-        if predivide_factor is None and reduce_dtype is None:
-            return None
-        factor = 1.0 if predivide_factor is None else float(predivide_factor)
-        if factor <= 0:
-            raise ValueError(f"gradient_predivide_factor must be positive, got {predivide_factor}")
-        return dict(reduce_dtype=reduce_dtype, pre_multiplier=1.0 / factor, post="multiply",
-                    post_value=factor / world_size, name="predivide/reduce_dtype")
+        return precision.averaging(self.mixed_precision, predivide_factor, reduce_dtype,
+                                   dist.get_world_size(self.process_group))
 
     def _build_engine(self) -> None:
         """The Reducer and what works on it (averaging, logging, bucket tuning, autotune); no
@@ -264,11 +252,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._has_rebuilt_buckets = True                             # first synced backward
         if self.require_forward_param_sync and self.forward_sync_buffers:
             self._sync_buffers()
+        self._training_ranks = None
         if self._join_config.enable:
-            vote_backward_sync(self._params, self.require_backward_grad_sync, joined=False)
+            # Votes "backward will sync" only when it will (torch votes require_backward_grad_sync
+            # even under no_grad, where joined ranks then shadow a backward that never comes).
+            vote_backward_sync(self._params, synced, joined=False)
             if synced and joined_work is not None and not self._divide_by_initial_world_size:
-                joined_work.wait()  # the all-reduce of ones: the ranks still training
-                self.reducer.divide_next_backward_by(int(joined_work.result()[0].item()))
+                self._training_ranks = joined_work  # the all-reduce of ones: ranks training
         if synced and self._autotune is not None:
             self._autotune.before_forward()
         if self.device_ids:
@@ -279,6 +269,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _post_forward(self, output):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
+            training_ranks, self._training_ranks = self._training_ranks, None
+            if training_ranks is not None:  # join(divide_by_initial_world_size=False)
+                training_ranks.wait()
+                self.reducer.divide_next_backward_by(int(training_ranks.result()[0].item()))
             sunk = self.reducer.prepare_for_backward(nested.tensors(output))
             output = nested.replace_tensors(output, sunk)
         else:
@@ -366,6 +360,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         The bucket is divided by the world size in its own precision, cast to float16/bfloat16,
         all-reduced, and cast back (torch's Python fp16 hook casts first, then divides).
         """
+        sparse = [n for n, s in zip(self._params.names, self._params.sparse) if s]
+        if sparse:
+            raise ValueError(f"register_builtin_hook({name!r}) compresses dense buckets; "
+                             f"{sparse} produce sparse gradients. Use a Python hook (torch's "
+                             "fp16_compress_hook handles sparse buckets) or none.")
         self.reducer.register_builtin_hook(self.process_group, name)
         self._logger.set_comm_hook(f"builtin {name}")
 
@@ -402,6 +401,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """torch's Joinable interface; divide_by_initial_world_size=False divides each
         iteration's gradients by the ranks still training (the join notification's sum)."""
         self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        refuse_unjoinable(self.skip_all_reduce_unused_params, self._delayed is not None)
         self._logger.set_join()
         return ReducerJoinHook(self, self._params, self._autotune)
 

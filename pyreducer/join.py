@@ -49,6 +49,18 @@ class ReducerJoinHook(JoinHook):
                                  self.params.process_group, src=src)
 
 
+def refuse_unjoinable(skip_unused: bool, delayed: bool) -> None:
+    """What join() cannot shadow, refused with the reason (torch DDP hangs on both): the buckets
+    skipped by skip_all_reduce_unused_params (a joined rank cannot know which), the delayed
+    all-reduce (issued from a gradient hook, it has no shadow)."""
+    for refused, why in ((skip_unused, "skip_all_reduce_unused_params (joined ranks cannot know "
+                                       "which buckets the training ranks skip)"),
+                         (delayed, "delay_all_reduce_named_params (its all-reduce, issued from "
+                                   "a gradient hook, has no shadow on joined ranks)")):
+        if refused:
+            raise ValueError(f"pyreducer: join() cannot be combined with {why}")
+
+
 def vote_backward_sync(params, will_sync: bool, joined: bool) -> bool | None:
     """All-reduce of "I will sync gradients"; a joined rank waits and learns the answer."""
     flag = torch.ones(1, device=params.device) if will_sync and not joined \

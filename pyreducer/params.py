@@ -25,7 +25,9 @@ class ReducedParams:
         tensors: the parameters, one per name.
         sizes_bytes: bytes per parameter (csrc/bucket.h size_bytes).
         group_keys: "dtype/device" per parameter (csrc/bucket.h group_key): parameters with
-            different keys never share a bucket.
+            different keys never share a bucket; a parameter with sparse gradients has a key of
+            its own ("dtype/device/sparse<i>"), so every plan made from these keys (initial,
+            tuned) gives it a bucket of its own.
         process_group: the group gradients are averaged over.
         sparse: per parameter, whether it produces sparse gradients (it belongs to an
             nn.Embedding or nn.EmbeddingBag with sparse=True, as torch DDP decides).
@@ -46,11 +48,12 @@ class ReducedParams:
            ignored=frozenset(), sparse=None) -> "ReducedParams":
         """From (name, parameter) pairs in reduction order (and sparse flags, default none)."""
         tensors = tuple(p for _, p in named)
+        sparse = tuple(sparse) if sparse else (False,) * len(tensors)
         return ReducedParams(names=tuple(n for n, _ in named), tensors=tensors,
                              sizes_bytes=tuple(_C.size_bytes(p) for p in tensors),
-                             group_keys=tuple(_C.group_key(p) for p in tensors),
-                             process_group=process_group,
-                             sparse=tuple(sparse) if sparse else (False,) * len(tensors),
+                             group_keys=tuple(_C.group_key(p) + (f"/sparse{i}" if sparse[i] else "")
+                                              for i, p in enumerate(tensors)),
+                             process_group=process_group, sparse=sparse,
                              module=module, ignored=frozenset(ignored))
 
     def __len__(self) -> int:

@@ -20,6 +20,14 @@ stream events); this one runs on any device. Where they differ: torch swaps `par
 `named_parameters()` outside forward are always the full-precision ones; and gradients
 accumulated across iterations (no_sync, zero_grad(set_to_none=False)) add up in full precision
 (torch casts the accumulated `.grad` down to `param_dtype` before each forward).
+
+Not supported (they raise, never compute silently in the wrong precision): recurrent modules
+(nn.RNN/LSTM/GRU keep their own list of weight tensors, which a per-forward replacement does not
+reach: refused at construction), and activation checkpointing, whose recomputation during
+backward runs after the low-precision copies are gone (torch then raises a dtype error or its
+"recomputed tensors differ" error). torch's own swaps `param.data` until the end of backward;
+doing the same here needs the Reducer to re-hook the parameters' AccumulateGrad nodes every
+iteration (a follow-up).
 """
 from __future__ import annotations
 
@@ -46,11 +54,41 @@ def reduce_dtype(config) -> torch.dtype:
     return config.reduce_dtype if config.reduce_dtype is not None else config.param_dtype
 
 
+def averaging(mixed_precision, predivide_factor, reduce_dtype_, world_size: int) -> dict | None:
+    """Settings of the built-in averaging hook (csrc/comm_hook.h AveragingHook) for a wrapper's
+    precision options, or None for torch DDP's own scheme (1/world_size in the copy-in, SUM).
+    mixed_precision: cast to its reduce_dtype, SUM, divide by the world size (torch's
+    _reducer_allreduce_and_upcast_hook). gradient_predivide_factor f and/or reduce_dtype: x 1/f,
+    SUM, x f/world_size, in reduce_dtype (Apex's allreduce_bucket)."""
+    if mixed_precision is not None:
+        if predivide_factor is not None or reduce_dtype_ is not None:
+            raise ValueError("pyreducer: mixed_precision sets how buckets are reduced; it cannot "
+                             "be combined with gradient_predivide_factor or reduce_dtype")
+        return dict(reduce_dtype=reduce_dtype(mixed_precision), pre_multiplier=1.0,
+                    post="divide", post_value=float(world_size), name="mixed precision")
+    if predivide_factor is None and reduce_dtype_ is None:
+        return None
+    factor = 1.0 if predivide_factor is None else float(predivide_factor)
+    if factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, got {predivide_factor}")
+    return dict(reduce_dtype=reduce_dtype_, pre_multiplier=1.0 / factor, post="multiply",
+                post_value=factor / world_size, name="predivide/reduce_dtype")
+
+
 class MixedPrecisionForward:
     """Runs a module's forward on `param_dtype` copies of its (not ignored) parameters."""
 
-    def __init__(self, config, module: nn.Module, ignored: frozenset):
+    def __init__(self, config, module: nn.Module):
         check_config(config)
+        recurrent = [name for name, m in module.named_modules() if isinstance(m, nn.RNNBase)]
+        if recurrent:
+            raise NotImplementedError(
+                f"pyreducer: mixed_precision with recurrent modules ({recurrent}) is not "
+                "supported: they keep their own list of weight tensors, which the per-forward "
+                "low-precision copies do not reach")
+        # torch casts every parameter and buffer except those ignored by
+        # _set_params_and_buffers_to_ignore_for_model (delayed ones too)
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.config, self.module = config, module
         self.names = [name for name, _ in module.named_parameters() if name not in ignored]
         if config.buffer_dtype is not None:

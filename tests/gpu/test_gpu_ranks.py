@@ -45,6 +45,16 @@ def test_matches_torch_ddp(world_size, name):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_rebuilt_plans_are_the_same_on_every_rank(world_size):
+    """The rebuild's broadcast ran on the GPU (NCCL has no CPU tensors): every rank got rank
+    0's order, so every rank has the same buckets."""
+    results = _parity(world_size)
+    for name in SCENARIOS:
+        plans = [result[name]["buckets"] for result in results]
+        assert all(plan == plans[0] for plan in plans), name
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_join_with_fp16_hook_matches_torch_ddp(world_size):
     for rank, result in enumerate(nccl_ranks(join_fp16_worker, world_size)):
         for a, b in zip(result["ours"], result["torch"]):

@@ -139,3 +139,26 @@ def test_autotune_keeps_the_plan_when_the_link_probe_is_unusable(monkeypatch):
     assert tuner.phase is Phase.DONE
     assert [e["event"] for e in tuner.log] == ["chosen"]
     assert "times do not grow with size" in tuner.log[0]["reason"]
+
+
+def sparse_tuning_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing.parity import SparseEmbeddings
+    from pyreducer.tuning import LinkModel
+
+    model = DistributedDataParallel(SparseEmbeddings())
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        model(torch.randint(0, 40, (6, 5), generator=gen)).sum().backward()
+    result = model.plan_buckets(link=LinkModel(1e-3, 1e7))  # latency-heavy: few big buckets
+    model.apply_bucket_plan(result["plan"])
+    model(torch.randint(0, 40, (6, 5), generator=gen)).sum().backward()
+    return dict(plan=[b["params"] for b in model.bucket_plan()],
+                sparse=[p.grad.is_sparse for p in model.parameters()])
+
+
+def test_tuned_plans_keep_sparse_gradients_in_buckets_of_their_own(ranks_once):
+    for r in ranks_once(sparse_tuning_worker, 2, ()):
+        assert ["embed.weight"] in r["plan"] and ["bag.weight"] in r["plan"], r["plan"]
+        assert len(r["plan"]) < 6  # the dense parameters were grouped
+        assert r["sparse"] == [True, True, False, False, False, False]

@@ -3,6 +3,7 @@ parameter and rank) promptly, on 2 spawned Gloo ranks, every run bounded in wall
 import os
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -149,3 +150,40 @@ def test_dead_peer_raises_instead_of_hanging():
     assert "all-reduce of bucket 0 failed on rank 0" in results[0]["error"]
     assert results[0]["seconds"] < 25  # bounded by the process group's timeout
     assert time.monotonic() - start < 90
+
+
+def combinations_worker(rank, world_size):
+    """Combinations that cannot work: each must raise at once, naming the problem (torch DDP
+    hangs or fails mid-backward on several of them)."""
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing.parity import SkipsEverywhere, SparseEmbeddings
+
+    out = {}
+    sparse = DistributedDataParallel(SparseEmbeddings())
+    out["builtin_hook_sparse"] = _capture(lambda: sparse.register_builtin_hook("fp16"))
+    skip = DistributedDataParallel(SkipsEverywhere(), find_unused_parameters=True,
+                                   skip_all_reduce_unused_params=True)
+    out["join_skip"] = _capture(lambda: skip.join().__enter__())
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    delayed = DistributedDataParallel(mlp, delay_all_reduce_named_params=list(
+        mlp[1].named_parameters(prefix="1")), param_to_hook_all_reduce=mlp[0].weight)
+    out["join_delayed"] = _capture(lambda: delayed.join().__enter__())
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    out["mixed_rnn"] = _capture(lambda: DistributedDataParallel(
+        nn.LSTM(4, 4), mixed_precision=_MixedPrecision(torch.bfloat16)))
+    return out
+
+
+@pytest.mark.parametrize("key,words", [
+    ("builtin_hook_sparse", ["ValueError", "embed.weight", "sparse gradients"]),
+    ("join_skip", ["ValueError", "join() cannot be combined with skip_all_reduce_unused_params"]),
+    ("join_delayed", ["ValueError", "join() cannot be combined with delay_all_reduce_named_params"]),
+    ("mixed_rnn", ["NotImplementedError", "mixed_precision with recurrent modules"]),
+])
+def test_combinations_that_cannot_work_raise_naming_them(ranks_once, key, words):
+    for r in ranks_once(combinations_worker, 2, ()):
+        error = r[key]["error"]
+        assert error is not None, f"{key}: nothing raised"
+        for word in words:
+            assert word in error, error

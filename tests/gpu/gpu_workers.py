@@ -327,3 +327,14 @@ def averaging_worker(rank, world_size):
         offset += p.numel()
     return dict(ours=[p.grad.clone() for p in reversed(list(model.parameters()))],
                 expected=expected)
+
+
+def sparse_on_nccl_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing.parity import SparseEmbeddings
+
+    try:
+        DistributedDataParallel(SparseEmbeddings().cuda(rank), device_ids=[rank])
+    except RuntimeError as error:
+        return str(error)
+    return None

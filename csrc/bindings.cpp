@@ -220,6 +220,36 @@ std::shared_ptr<CommHook> builtin_hook(ProcessGroupPtr group, const std::string&
   throw std::invalid_argument("unknown builtin hook '" + name + "'; expected 'fp16' or 'bf16'");
 }
 
+void register_averaging_hook(Reducer& reducer, ProcessGroupPtr group,
+                             std::optional<at::ScalarType> dtype, double pre_multiplier,
+                             const std::string& post, double post_value, const std::string& name) {
+  AveragingHook::Options options;
+  options.reduce_dtype = dtype;
+  options.pre_multiplier = pre_multiplier;
+  options.post = post_op(post);
+  options.post_value = post_value;
+  options.name = name;
+  reducer.register_comm_hook(std::make_shared<AveragingHook>(std::move(group), options));
+}
+
+// See Note [Deferred completion]; `on_deferred` (a Python callable or None) runs with the GIL.
+void set_deferred_completion(Reducer& reducer, bool deferred, py::object on_deferred) {
+  std::function<void()> callback;
+  if (!on_deferred.is_none()) {
+    // Held so that it is released with the GIL, from whichever thread drops it.
+    std::shared_ptr<py::object> held(new py::object(std::move(on_deferred)), [](py::object* obj) {
+      py::gil_scoped_acquire gil;
+      delete obj;
+    });
+    callback = [held] {
+      py::gil_scoped_acquire gil;
+      (*held)();
+    };
+  }
+  py::gil_scoped_release no_gil;
+  reducer.set_deferred_completion(deferred, std::move(callback));
+}
+
 // The Reducer, held by shared_ptr (see Reducer::create). Methods that may block release the GIL.
 void bind_reducer(py::module_& m) {
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
@@ -234,22 +264,18 @@ void bind_reducer(py::module_& m) {
            [](Reducer& reducer, ProcessGroupPtr group, const std::string& name) {
              reducer.register_comm_hook(builtin_hook(std::move(group), name));
            })
-      .def("register_averaging_hook",
-           [](Reducer& reducer, ProcessGroupPtr group, std::optional<at::ScalarType> dtype,
-              double pre_multiplier, const std::string& post, double post_value,
-              const std::string& name) {
-             AveragingHook::Options options;
-             options.reduce_dtype = dtype;
-             options.pre_multiplier = pre_multiplier;
-             options.post = post_op(post);
-             options.post_value = post_value;
-             options.name = name;
-             reducer.register_comm_hook(std::make_shared<AveragingHook>(std::move(group), options));
-           },
+      .def("register_averaging_hook", &register_averaging_hook,
            py::arg("process_group"), py::arg("reduce_dtype"), py::arg("pre_multiplier"),
            py::arg("post"), py::arg("post_value"), py::arg("name"),
            "See AveragingHook in csrc/comm_hook.h.")
       .def("set_static_graph", &Reducer::set_static_graph, py::arg("rebuild"))
+      .def("set_deferred_completion", &set_deferred_completion, py::arg("deferred"),
+           py::arg("on_deferred") = py::none(),
+           "See Note [Deferred completion] in csrc/reducer.h.")
+      .def("complete_bucket", &Reducer::complete_bucket, py::arg("bucket"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("complete_all", &Reducer::complete_all, py::call_guard<py::gil_scoped_release>())
+      .def("pending_buckets", &Reducer::pending_buckets)
       .def("divide_next_backward_by", &Reducer::divide_next_backward_by, py::arg("ranks"))
       .def_property_readonly("num_iterations", &Reducer::num_iterations)
       .def("backward_stats", &backward_stats)

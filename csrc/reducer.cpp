@@ -148,16 +148,6 @@ void Reducer::fail(const std::string& message) {
   throw std::runtime_error(message);
 }
 
-template <typename Fn>
-void Reducer::noting_errors(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& error) {
-    last_error_ = error.what();
-    throw;
-  }
-}
-
 void Reducer::set_unused(std::vector<size_t> unused) {
   std::fill(is_unused_.begin(), is_unused_.end(), 0);
   for (size_t i : unused) is_unused_[i] = 1;
@@ -171,6 +161,7 @@ bool Reducer::all_unused(const Bucket& bucket) const {
 
 std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::unique_lock<std::mutex> lock(mutex_);
+  complete_all_locked();  // See Note [Deferred completion]
   if (finalize_queued_ || backward_started_ || num_ready_ > 0) {
     // The previous synced backward was interrupted (an exception inside backward) before its
     // end-of-backward callback ran.
@@ -250,6 +241,14 @@ void Reducer::autograd_hook(size_t index) {
 }
 
 void Reducer::on_gradient(size_t index) {
+  if (num_awaiting_ > 0) {  // See Note [Deferred completion]
+    throw std::runtime_error(
+        "pyreducer: parameter " + param_names_[index] + " on rank " +
+        std::to_string(group_->getRank()) + " received a gradient while the previous step's "
+        "reductions were still pending (" + std::to_string(num_awaiting_) + " bucket(s)): with "
+        "an overlapped optimizer, run each forward through the wrapper (its forward completes "
+        "them), or call model.synchronize() first.");
+  }
   if ((dynamic_find_unused() || static_first_iteration()) &&
       params_[index].grad().defined()) {
     locally_used_[index] = 1;  // also under no_sync: see Note [Unused parameters]
@@ -381,8 +380,13 @@ std::string Reducer::describe_unready(size_t max_names) const {
 }
 
 void Reducer::finalize_backward() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  noting_errors([&] { finalize(); });
+  std::function<void()> deferred;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    noting_errors([&] { finalize(); });
+    if (num_awaiting_ > 0) deferred = on_deferred_;
+  }
+  if (deferred) deferred();  // outside the lock: it may call back into the Reducer
 }
 
 void Reducer::finalize() {
@@ -407,18 +411,22 @@ void Reducer::finalize() {
          "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) "
          "before wrapping.");
   }
-  try {
-    wait_and_copy_out();
-  } catch (...) {
-    reset_iteration();
-    throw;
+  if (deferred_) {
+    defer_reductions();  // See Note [Deferred completion]
+  } else {
+    try {
+      wait_and_copy_out();
+    } catch (...) {
+      reset_iteration();
+      throw;
+    }
   }
   if (dynamic_find_unused()) std::fill(locally_used_.begin(), locally_used_.end(), 0);
   if (rebuild_pending_ && !ready_order_complete_ && !static_first_iteration()) {
     ready_order_complete_ = true;
   }
   finalized_since_forward_ = true;
-  stats_.comm_end_ns = Timeline::now_ns();
+  stats_.comm_end_ns = deferred_ ? 0 : Timeline::now_ns();  // deferred: at the last completion
   stats_.unused.assign(unused_.begin(), unused_.end());
   last_stats_ = stats_;
   if (record_) {
@@ -426,10 +434,10 @@ void Reducer::finalize() {
     record_->complete = true;
     if (device_timeline_) device_timeline_->end(record_->slot);  // See Note [Device timeline]
   }
-  reset_iteration();
+  reset_iteration(/*keep_reductions=*/deferred_);
 }
 
-void Reducer::reset_iteration() {
+void Reducer::reset_iteration(bool keep_reductions) {
   record_ = nullptr;
   armed_ = false;
   finalize_queued_ = false;
@@ -441,9 +449,10 @@ void Reducer::reset_iteration() {
   if (!ready_order_complete_) ready_order_.clear();  // only a finished backward's order counts
   for (Bucket& bucket : set_.buckets) {
     bucket.pending = bucket.param_indices.size();
+    bucket.copy_streams.clear();
+    if (keep_reductions) continue;  // completed later, bucket by bucket
     bucket.work.reset();
     bucket.future.reset();
-    bucket.copy_streams.clear();
     bucket.skipped = false;
     if (bucket.sparse) bucket.flat = at::Tensor();  // the gradient stays the parameter's alone
   }

@@ -35,6 +35,15 @@
 // gradient must be defined in every synced backward (torch raises too); gradient_as_bucket_view
 // and batched_grad_copy leave it alone.
 //
+// Note [Deferred completion]
+// With deferred completion on (an overlapped optimizer, pyreducer/overlap.py), finalize_backward
+// checks and launches as usual but does not wait: the buckets' reductions stay in flight past
+// the end of backward, and complete_bucket(b) later waits for bucket b and writes its averages
+// into param.grad, bucket by bucket, while the next forward runs. Until every bucket is
+// completed, nothing that would touch them may run: prepare_for_backward, a rebuild, a new plan
+// and a joined rank's shadow complete what is left first; a gradient arriving meanwhile (a
+// backward through a graph the wrapper's forward did not make) raises.
+//
 // Note [Bucket rebuild]
 // As torch DDP does, one backward records the order in which gradients become ready (the first
 // synced one, or the second with static_graph); the next forward with grad enabled calls
@@ -44,6 +53,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -161,6 +171,21 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Synced forwards so far (torch DDP's num_iterations_).
   int64_t num_iterations() const;
 
+  // See Note [Deferred completion]. Turning it off completes what is pending. `on_deferred`
+  // (may be empty) runs at the end of each backward that left reductions pending, on the
+  // autograd thread, outside the Reducer's lock. Python thread, between iterations.
+  void set_deferred_completion(bool deferred, std::function<void()> on_deferred = {});
+
+  // Waits for bucket b's reduction (bounded by the process group's timeout) and writes its
+  // averaged gradients into param.grad; nothing if it is not pending. Python thread.
+  void complete_bucket(size_t b);
+
+  // complete_bucket for every pending bucket, in launch order. Python thread.
+  void complete_all();
+
+  // Buckets whose reduction is launched and not completed yet (deferred completion only).
+  std::vector<int64_t> pending_buckets() const;
+
   // The last synced backward that finished (see BackwardStats).
   BackwardStats last_backward_stats() const;
 
@@ -222,7 +247,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void copy_out_bucket(size_t b);  // bucket.flat into param.grad (see Note [Reducer iteration])
   void adopt_grads_into_buckets();
   void install_plan(const std::vector<std::vector<int64_t>>& plan);  // rebuild or apply_plan
-  void reset_iteration();
+  void reset_iteration(bool keep_reductions = false);  // keep: see Note [Deferred completion]
+  void defer_reductions();
+  void complete_locked(size_t b);
+  void complete_all_locked();
+  void resolve_used_map();  // the used map of a deferred iteration, once: globally_unused_
   // See Note [Streams of a bucket].
   void note_copy_stream(Bucket& bucket);
   void wait_for_copy_streams(Bucket& bucket);
@@ -232,7 +261,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void check_gradient(size_t index, const at::Tensor& grad, const at::Tensor& slot) const;
   [[noreturn]] void fail(const std::string& message);  // resets the iteration, then throws
   template <typename Fn>
-  void noting_errors(Fn&& fn);  // runs fn; an exception's message becomes last_error_
+  void noting_errors(Fn&& fn) {  // runs fn; an exception's message becomes last_error_
+    try {
+      fn();
+    } catch (const std::exception& error) {
+      last_error_ = error.what();
+      throw;
+    }
+  }
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> param_names_;
@@ -278,6 +314,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   IterationRecord* record_ = nullptr;  // this iteration's, while one is being recorded
   std::unique_ptr<DeviceTimeline> device_timeline_;  // CUDA builds, CUDA parameters only
   std::vector<std::vector<std::vector<int64_t>>> plan_history_;  // [plan_version] -> plan
+
+  // Deferred completion (see Note [Deferred completion]).
+  bool deferred_ = false;
+  std::function<void()> on_deferred_;
+  std::vector<uint8_t> awaiting_;  // per bucket: launched, not completed
+  size_t num_awaiting_ = 0;
+  WorkPtr deferred_used_map_work_;  // the used-map all-reduce of the deferred iteration
+  bool deferred_need_used_map_ = false;
 
   // Logging data (see BackwardStats).
   BackwardStats stats_;       // the iteration in progress

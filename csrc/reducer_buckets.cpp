@@ -39,6 +39,7 @@ std::vector<at::Tensor> Reducer::bucket_buffers() const {
 bool Reducer::rebuild_buckets() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!rebuild_pending_ || !ready_order_complete_) return false;
+  complete_all_locked();  // the old buckets' reductions first (Note [Deferred completion])
   if (armed_ || finalize_queued_) {
     throw std::logic_error("pyreducer: rebuild_buckets called while a backward is pending");
   }
@@ -226,6 +227,83 @@ void Reducer::wait_and_copy_out() {
   for (size_t b = 0; b < set_.buckets.size(); ++b) copy_out_bucket(b);
 }
 
+void Reducer::defer_reductions() {
+  awaiting_.assign(set_.buckets.size(), 0);
+  num_awaiting_ = 0;
+  for (size_t b = 0; b < set_.buckets.size(); ++b) {
+    if (set_.buckets[b].skipped) continue;
+    awaiting_[b] = 1;
+    num_awaiting_ += 1;
+  }
+  // As wait_and_copy_out: the map is needed only if some parameter was unused on this rank.
+  deferred_need_used_map_ = used_map_work_ && !all_locally_used();
+  if (used_map_work_ && !deferred_need_used_map_) {
+    std::fill(globally_unused_.begin(), globally_unused_.end(), 0);
+  }
+  deferred_used_map_work_ = std::move(used_map_work_);
+}
+
+void Reducer::resolve_used_map() {
+  if (!deferred_used_map_work_) return;
+  wait_or_throw(deferred_used_map_work_, group_, "all-reduce of the used-parameter map");
+  deferred_used_map_work_.reset();
+  if (!deferred_need_used_map_) return;
+  const at::Tensor used = used_map_.to(at::kCPU);  // blocking: the all-reduce is done
+  const int32_t* data = used.const_data_ptr<int32_t>();
+  for (size_t i = 0; i < params_.size(); ++i) globally_unused_[i] = data[i] == 0;
+}
+
+void Reducer::complete_locked(size_t b) {
+  if (b >= awaiting_.size() || !awaiting_[b]) return;
+  Bucket& bucket = set_.buckets[b];
+  if (deferred_need_used_map_) resolve_used_map();  // which gradients to write back
+  wait_bucket(b);
+  copy_out_bucket(b);
+  awaiting_[b] = 0;
+  num_awaiting_ -= 1;
+  bucket.work.reset();
+  bucket.future.reset();
+  if (bucket.sparse) bucket.flat = at::Tensor();
+  if (num_awaiting_ == 0) {
+    resolve_used_map();  // also when not needed: the next copy into used_map_ must follow it
+    last_stats_.comm_end_ns = Timeline::now_ns();
+  }
+}
+
+void Reducer::complete_all_locked() {
+  for (size_t b = 0; b < awaiting_.size() && num_awaiting_ > 0; ++b) complete_locked(b);
+}
+
+void Reducer::complete_bucket(size_t b) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  noting_errors([&] { complete_locked(b); });
+}
+
+void Reducer::complete_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  noting_errors([&] { complete_all_locked(); });
+}
+
+std::vector<int64_t> Reducer::pending_buckets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> pending;
+  for (size_t b = 0; b < awaiting_.size(); ++b) {
+    if (awaiting_[b]) pending.push_back(static_cast<int64_t>(b));
+  }
+  return pending;
+}
+
+void Reducer::set_deferred_completion(bool deferred, std::function<void()> on_deferred) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (armed_ || finalize_queued_) {
+    throw std::runtime_error("pyreducer: deferred completion can only be switched between "
+                             "iterations (not between a synced forward and its backward)");
+  }
+  if (!deferred) complete_all_locked();
+  deferred_ = deferred;
+  on_deferred_ = deferred ? std::move(on_deferred) : std::function<void()>();
+}
+
 void Reducer::wait_bucket(size_t b) {
   Bucket& bucket = set_.buckets[b];
   if (bucket.skipped) return;
@@ -309,6 +387,7 @@ void Reducer::apply_plan(const std::vector<std::vector<int64_t>>& plan) {
 }
 
 void Reducer::install_plan(const std::vector<std::vector<int64_t>>& plan) {
+  complete_all_locked();  // See Note [Deferred completion]
   set_ = make_buckets(params_, param_names_, plan, sparse_);  // validates before anything changes
   plan_history_.push_back(plan);
   adopt_grads_into_buckets();  // see Note [Bucket rebuild]

@@ -125,6 +125,7 @@ void Reducer::register_comm_hook(std::shared_ptr<CommHook> hook) {
 
 void Reducer::shadow_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
+  complete_all_locked();  // See Note [Deferred completion]
   if (armed_ || finalize_queued_) {
     throw std::logic_error("pyreducer: shadow_backward called while a backward is pending");
   }

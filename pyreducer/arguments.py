@@ -14,6 +14,26 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # torch's, even if patched later
 
 
+def default_group():
+    """torch.distributed's default group (dist.group.WORLD), or a clear error without one."""
+    if not dist.is_initialized():
+        raise RuntimeError("DDP Pickling/Unpickling need the default process group: call "
+                           "torch.distributed.init_process_group(...) first.")
+    return dist.group.WORLD
+
+
+def autotune_request(bucket_cap_mb):
+    """(AutotuneConfig or None, the cap to start with): "auto" tunes with the default config
+    and starts from DDP's default caps."""
+    from pyreducer.tuning.autotune import AutotuneConfig
+
+    if isinstance(bucket_cap_mb, AutotuneConfig):
+        return bucket_cap_mb, None
+    if bucket_cap_mb == "auto":
+        return AutotuneConfig(), None
+    return None, bucket_cap_mb
+
+
 def check_delay_pairing(delay_all_reduce_named_params, param_to_hook_all_reduce) -> None:
     """torch's pairing check of the delayed all-reduce arguments (ValueError)."""
     if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):

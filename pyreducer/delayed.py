@@ -47,6 +47,16 @@ class DelayedAllReduce:
         self._work = None
         self._handle = hook_param.register_hook(self._all_reduce)
 
+    @staticmethod
+    def create(named_params, hook_param, process_group) -> "DelayedAllReduce | None":
+        """torch DDP's delayed all-reduce of `named_params`, their values broadcast from rank 0
+        now (before the model check, as torch DDP), or None without named_params."""
+        if named_params is None:
+            return None
+        delayed = DelayedAllReduce(list(named_params), hook_param, process_group)
+        delayed.broadcast_from_rank0()
+        return delayed
+
     def broadcast_from_rank0(self) -> None:
         """Rank 0's values of the delayed parameters on every rank (collective; construction)."""
         from pyreducer import sync

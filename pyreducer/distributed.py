@@ -23,10 +23,11 @@ from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.ddp_logging import DDPLogger
 from pyreducer.delayed import DelayedAllReduce
+from pyreducer.overlap import OverlapOptimizer
 from pyreducer.join import (ReducerJoinHook, find_common_rank, refuse_unjoinable,
                             vote_backward_sync)
 from pyreducer.params import ReducedParams, reduced_parameters
-from pyreducer.tuning.autotune import AutotuneConfig, AutoTuner
+from pyreducer.tuning.autotune import AutoTuner
 from pyreducer.tuning.control import BucketTuning
 
 # The Reducer's defaults (csrc/reducer.h ReducerOptions), stated there once.
@@ -95,10 +96,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
         self._training_ranks = None  # join: this forward's count of training ranks (a work)
+        self._overlap = None  # overlap_optimizer()
         arguments.warn_check_reduction(check_reduction)
         arguments.check_module(module, named, (DistributedDataParallel,))
-        self._delayed = _delayed_all_reduce(delay_all_reduce_named_params,
-                                            param_to_hook_all_reduce, self.process_group)
+        self._delayed = DelayedAllReduce.create(delay_all_reduce_named_params,
+                                                param_to_hook_all_reduce, self.process_group)
         # torch DDP: with every reduced parameter delayed there is no Reducer at all.
         self._delay_all_reduce_all_params = not any(p.requires_grad for _, p in named)
         if self._delay_all_reduce_all_params:
@@ -130,7 +132,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _configure_buckets(self, bucket_cap_mb, bucket_cap_mb_list, bucket_plan) -> None:
         """Caps (or autotune), and a given plan, checked to be the same on every rank."""
-        self._autotune_config, bucket_cap_mb = _autotune_request(bucket_cap_mb)
+        self._autotune_config, bucket_cap_mb = arguments.autotune_request(bucket_cap_mb)
         self.bucket_caps_bytes = bucketing.caps_bytes(bucket_cap_mb, bucket_cap_mb_list)
         self.bucket_bytes_cap = max(self.bucket_caps_bytes)
         if bucket_plan is not None:
@@ -191,7 +193,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __getstate__(self):
         """The wrapper without its process group and engine, which __setstate__ builds again
         (on the default group: only a wrapper on the default group can be pickled, as in DDP)."""
-        if self.process_group != _default_group():
+        if self.process_group != arguments.default_group():
             raise RuntimeError(
                 "DDP Pickling/Unpickling are only supported when using DDP with the default "
                 "process group. That is, when you have called init_process_group and have not "
@@ -203,6 +205,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                                "pickled (its hook on param_to_hook_all_reduce would be lost); "
                                "save the module's state_dict instead")
         state = dict(self.__dict__)
+        if self._overlap is not None:
+            raise RuntimeError("pyreducer: a wrapper with an overlapped optimizer cannot be "
+                               "pickled; save model.state_dict() and the optimizer's state_dict()")
         for name in ("process_group", "reducer", "_params", "_tuning", "_autotune", "_recorder",
                      "_logger"):
             state.pop(name)
@@ -215,7 +220,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """A wrapper on the default process group with a fresh Reducer (torch DDP's schedule
         from the start: one bucket, then a rebuild), its parameters neither checked nor
         broadcast across ranks (as torch DDP: unpickling is not collective), and no recording."""
-        self.process_group = _default_group()
+        self.process_group = arguments.default_group()
         super().__setstate__(state)
         self._params = self._collect_params()
         self._build_engine()
@@ -237,9 +242,24 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self._delayed.reset_grads()
                 return output
             inputs, kwargs = self._pre_forward(inputs, kwargs)
-            output = self._mixed(*inputs, **kwargs) if self._mixed is not None \
-                else self.module(*inputs, **kwargs)
+            with self._overlap_forward():
+                output = self._mixed(*inputs, **kwargs) if self._mixed is not None \
+                    else self.module(*inputs, **kwargs)
             return self._post_forward(output)
+
+    @contextmanager
+    def _overlap_forward(self):
+        """With an overlapped optimizer: pending updates happen as the module reads its
+        parameters; the rest when it returns (pyreducer/overlap.py)."""
+        if self._overlap is None:
+            yield
+            return
+        self._overlap.in_forward = True
+        try:
+            yield
+        finally:
+            self._overlap.in_forward = False
+        self._overlap.forward_ended()
 
     def _pre_forward(self, inputs, kwargs):
         """DDP's collectives before the module runs, in this order on every rank; joined ranks
@@ -401,7 +421,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         """torch's Joinable interface; divide_by_initial_world_size=False divides each
         iteration's gradients by the ranks still training (the join notification's sum)."""
         self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
-        refuse_unjoinable(self.skip_all_reduce_unused_params, self._delayed is not None)
+        refuse_unjoinable(self.skip_all_reduce_unused_params, self._delayed is not None,
+                          self._overlap is not None)
         self._logger.set_join()
         return ReducerJoinHook(self, self._params, self._autotune)
 
@@ -412,6 +433,27 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def join_process_group(self):
         return self.process_group
+
+    # -- the overlapped optimizer (pyreducer/overlap.py) ----------------------------------------
+    def overlap_optimizer(self, optimizer, max_grad_norm: float | None = None):
+        """An optimizer whose updates overlap the next forward: each bucket's parameters are
+        updated (with `optimizer`'s own math) just before the next forward reads them, while
+        later buckets are still being reduced. The loop does not change; see Note [Overlapped
+        step] in pyreducer/overlap.py. max_grad_norm: global-norm clipping, as
+        torch.nn.utils.clip_grad_norm_ before the step."""
+        if self._overlap is not None:
+            raise RuntimeError("pyreducer: this wrapper already has an overlapped optimizer")
+        if self._join_config.enable:
+            raise ValueError("pyreducer: overlap_optimizer cannot be created inside join()")
+        self._overlap = OverlapOptimizer(optimizer, self.reducer, self._params, self.module,
+                                         max_grad_norm)
+        return self._overlap
+
+    def synchronize(self) -> None:
+        """Completes every pending reduction and update of an overlapped optimizer (nothing
+        otherwise): parameters and gradients are then final, as after a DDP step."""
+        if self._overlap is not None:
+            self._overlap.synchronize()
 
     # -- torch DDP's private API that research code calls ----------------------------------------
     def _set_static_graph(self) -> None:
@@ -454,31 +496,3 @@ class DistributedDataParallel(nn.Module, Joinable):
         for name, buffer in module.named_buffers():
             if name in params_and_buffers_to_ignore:
                 buffer._ddp_ignored = True
-
-
-def _default_group():
-    """torch.distributed's default group (dist.group.WORLD), or a clear error without one."""
-    if not dist.is_initialized():
-        raise RuntimeError("DDP Pickling/Unpickling need the default process group: call "
-                           "torch.distributed.init_process_group(...) first.")
-    return dist.group.WORLD
-
-
-def _delayed_all_reduce(named_params, hook_param, process_group):
-    """torch DDP's delayed all-reduce of `named_params` (pyreducer/delayed.py), its parameters
-    broadcast from rank 0 now (before the model check, as torch DDP), or None."""
-    if named_params is None:
-        return None
-    delayed = DelayedAllReduce(list(named_params), hook_param, process_group)
-    delayed.broadcast_from_rank0()
-    return delayed
-
-
-def _autotune_request(bucket_cap_mb):
-    """(AutotuneConfig or None, the cap to start with): "auto" tunes with the default config
-    and starts from DDP's default caps."""
-    if isinstance(bucket_cap_mb, AutotuneConfig):
-        return bucket_cap_mb, None
-    if bucket_cap_mb == "auto":
-        return AutotuneConfig(), None
-    return None, bucket_cap_mb

@@ -49,14 +49,16 @@ class ReducerJoinHook(JoinHook):
                                  self.params.process_group, src=src)
 
 
-def refuse_unjoinable(skip_unused: bool, delayed: bool) -> None:
-    """What join() cannot shadow, refused with the reason (torch DDP hangs on both): the buckets
-    skipped by skip_all_reduce_unused_params (a joined rank cannot know which), the delayed
-    all-reduce (issued from a gradient hook, it has no shadow)."""
+def refuse_unjoinable(skip_unused: bool, delayed: bool, overlapped: bool = False) -> None:
+    """What join() cannot shadow, refused with the reason (torch DDP hangs on the first two):
+    the buckets skipped by skip_all_reduce_unused_params (a joined rank cannot know which), the
+    delayed all-reduce (issued from a gradient hook, it has no shadow), and an overlapped
+    optimizer (not supported with uneven inputs yet)."""
     for refused, why in ((skip_unused, "skip_all_reduce_unused_params (joined ranks cannot know "
                                        "which buckets the training ranks skip)"),
                          (delayed, "delay_all_reduce_named_params (its all-reduce, issued from "
-                                   "a gradient hook, has no shadow on joined ranks)")):
+                                   "a gradient hook, has no shadow on joined ranks)"),
+                         (overlapped, "an overlapped optimizer (model.overlap_optimizer)")):
         if refused:
             raise ValueError(f"pyreducer: join() cannot be combined with {why}")
 

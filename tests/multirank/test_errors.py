@@ -168,6 +168,10 @@ def combinations_worker(rank, world_size):
     delayed = DistributedDataParallel(mlp, delay_all_reduce_named_params=list(
         mlp[1].named_parameters(prefix="1")), param_to_hook_all_reduce=mlp[0].weight)
     out["join_delayed"] = _capture(lambda: delayed.join().__enter__())
+    overlapped = DistributedDataParallel(nn.Linear(4, 2))
+    overlap = overlapped.overlap_optimizer(torch.optim.SGD(overlapped.parameters(), lr=0.1))
+    out["join_overlap"] = _capture(lambda: overlapped.join().__enter__())
+    out["closure"] = _capture(lambda: overlap.step(lambda: 0.0))
     from torch.nn.parallel.distributed import _MixedPrecision
 
     out["mixed_rnn"] = _capture(lambda: DistributedDataParallel(
@@ -180,6 +184,8 @@ def combinations_worker(rank, world_size):
     ("join_skip", ["ValueError", "join() cannot be combined with skip_all_reduce_unused_params"]),
     ("join_delayed", ["ValueError", "join() cannot be combined with delay_all_reduce_named_params"]),
     ("mixed_rnn", ["NotImplementedError", "mixed_precision with recurrent modules"]),
+    ("join_overlap", ["ValueError", "join() cannot be combined with an overlapped optimizer"]),
+    ("closure", ["ValueError", "step(closure) is not supported"]),
 ])
 def test_combinations_that_cannot_work_raise_naming_them(ranks_once, key, words):
     for r in ranks_once(combinations_worker, 2, ()):

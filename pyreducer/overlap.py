@@ -1,0 +1,273 @@
+"""The overlapped optimizer: `optimizer = model.overlap_optimizer(optimizer)`.
+
+Note [Overlapped step]
+torch DDP's step barrier: every bucket's all-reduce must finish before optimizer.step(), and the
+next forward starts after it. With an overlapped optimizer the loop stays
+`loss.backward(); optimizer.step(); optimizer.zero_grad(); model(x)`, but:
+  - backward ends without waiting: the Reducer leaves its buckets' reductions in flight
+    (Note [Deferred completion] in csrc/reducer.h);
+  - step() and zero_grad() only record what to do;
+  - the next forward updates each parameter just before it is read: the first read of a
+    parameter waits for its bucket's reduction, writes the averages into .grad, steps the
+    bucket's parameters with the user's own optimizer (its param_groups cut down to those
+    parameters, its state shared), and zeroes their gradients as zero_grad() asked;
+  - whatever the forward did not read is updated at its end, before the next backward.
+Where the update runs: lazily, on the Python thread, just before the read (not in a completion
+callback or a worker thread): the optimizer's math then runs where torch runs it, in order with
+the forward, and never concurrently with another update.
+Reads are caught exactly: at step(), every parameter whose update is pending gets a subclass of
+its own class (its __class__ is swapped; isinstance checks still hold) whose __torch_function__
+updates the parameter's bucket, restores the class and only then runs the operation. Any torch
+operation on it, anywhere (its module's forward, a parent reading a tied or child weight,
+F.linear(x, m.weight), .data, .grad, detach(), state_dict(), torch.save, printing) therefore sees
+the updated value; a forward pre-hook on every submodule starts the updates of its own
+parameters a little earlier. The wrapper's forward completes whatever the forward did not read
+before its backward, and a forward of model.module itself completes everything first (a backward
+through it would add into gradients still pending).
+"""
+from __future__ import annotations
+
+import torch
+
+
+_PENDING_CLASSES: dict[type, type] = {}  # a parameter class -> its pending subclass
+
+
+def _pending_class(cls: type) -> type:
+    """The subclass of parameter class `cls` that pending parameters wear (see the Note)."""
+    if cls not in _PENDING_CLASSES:
+        _PENDING_CLASSES[cls] = type(f"Pending{cls.__name__}", (cls,),
+                                     {"__torch_function__": classmethod(_pending_torch_function),
+                                      "__module__": __name__})
+    return _PENDING_CLASSES[cls]
+
+
+def _pending_torch_function(cls, func, types, args=(), kwargs=None):
+    """Updates the pending parameters among the arguments, then runs `func` on them."""
+    kwargs = kwargs or {}
+    for value in _tensors_in(args, kwargs):
+        overlap = getattr(value, "_pyreducer_overlap", None)
+        if overlap is not None:
+            overlap.update_parameter(value)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def _tensors_in(args, kwargs):
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+class OverlapOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose updates overlap the next forward (Note [Overlapped step]).
+
+    Shares param_groups, state and defaults with the optimizer it wraps (LR schedulers work on
+    either); step() and zero_grad() take effect bucket by bucket during the next forward, with
+    the hyperparameters (lr, ...) in force when step() was called.
+
+    Args:
+        optimizer: any torch optimizer over the wrapped model's parameters (step() without a
+            closure).
+        reducer, params: the wrapper's C++ Reducer and ReducedParams.
+        module: the wrapped module (its submodules get the early-update hooks).
+        max_grad_norm: clip the global gradient norm to this before any update, with
+            torch.nn.utils.clip_grad_norm_'s arithmetic (every bucket must be reduced first).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, reducer, params, module,
+                 max_grad_norm: float | None = None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"overlap_optimizer expects a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("overlap_optimizer: LBFGS needs a closure that re-evaluates the "
+                             "whole model, which cannot be split into per-bucket updates")
+        super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups],
+                         optimizer.defaults)
+        self.param_groups = optimizer.param_groups  # shared: schedulers may drive either
+        self.state = optimizer.state
+        self.optimizer, self.reducer, self.params = optimizer, reducer, params
+        self.max_grad_norm = max_grad_norm
+        # Buckets whose parameters wear the pending class: reduction in flight, and (once
+        # step() was called: self.stepped) their update too.
+        self.pending: dict[int, list[torch.Tensor]] = {}
+        self.bucket_of: dict[int, int] = {}  # id(pending parameter) -> its bucket
+        self.stepped = False
+        self.clip_due = False
+        self.early: list[torch.Tensor] = []  # reduced by a read before step(): stepped at step()
+        self.hyper: list[dict] = []  # the param_groups' settings when step() was called
+        self.zero_mode: bool | None = None  # zero_grad(set_to_none) to apply after updates
+        self.busy = False  # inside an update: reads pass through
+        self.in_forward = False
+        reducer.set_deferred_completion(True, self._backward_ended)
+        self.handles = [m.register_forward_pre_hook(self._before_module)
+                        for m in module.modules()]
+        self.handles.append(module.register_forward_pre_hook(self._before_root))
+        self.handles.append(module.register_state_dict_pre_hook(lambda *args: self.synchronize()))
+
+    # -- the optimizer interface -----------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Records the update of every parameter whose bucket is still being reduced; they
+        happen when the next forward reads them (or at synchronize()). Parameters whose
+        reduction is done (a read after backward waited for it, or a backward without sync)
+        are stepped at once, as torch does."""
+        if closure is not None:
+            raise ValueError("overlap_optimizer: step(closure) is not supported (the update is "
+                             "split into buckets run during the next forward)")
+        if self.stepped:  # a previous step's updates, if no forward ran since
+            self._update_all()
+        if not self.pending:  # nothing in flight: a plain step
+            if self.max_grad_norm is not None:
+                self._clip()
+            self.optimizer.step()
+            self.early = []
+            return None
+        self.clip_due = self.max_grad_norm is not None
+        if self.early:  # stepped now; clipping first needs every gradient, reduced
+            if self.clip_due:
+                self.clip_due = False
+                self._clip()
+            self._step_subset({id(p) for p in self.early}, hyper=None)
+            self.early = []
+        self.hyper = [{k: v for k, v in g.items() if k != "params"}
+                      for g in self.optimizer.param_groups]
+        self.stepped = True
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Parameters still pending have their gradients zeroed right after their update."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in self.bucket_of:
+                    continue
+                with torch.no_grad():
+                    if set_to_none:
+                        p.grad = None
+                    elif p.grad is not None:
+                        p.grad.zero_()
+        self.early = []
+        if self.pending:
+            self.zero_mode = set_to_none
+
+    def state_dict(self):
+        self.synchronize()
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.synchronize()
+        self.optimizer.load_state_dict(state_dict)
+
+    # -- reductions and updates ------------------------------------------------------------------
+    def _backward_ended(self) -> None:
+        """The Reducer left reductions in flight (autograd thread, after the backward): their
+        parameters wear the pending class until read, stepped or synchronized."""
+        if self.pending:  # a backward with updates still pending cannot happen (the Reducer
+            return        # refuses gradients then); be safe against a re-entrant call
+        tensors, layout = self.params.tensors, self.reducer.bucket_layout()
+        for b in self.reducer.pending_buckets():
+            group = [tensors[i] for i in layout[b]["param_indices"]]
+            self.pending[b] = group
+            for p in group:
+                self.bucket_of[id(p)] = b
+                p._pyreducer_overlap = self
+                p.__class__ = _pending_class(type(p))
+        self.stepped, self.early = False, []
+
+    def synchronize(self) -> None:
+        """Completes every pending update and every reduction still in flight."""
+        self._update_all()
+        self.reducer.complete_all()
+
+    def update_parameter(self, param: torch.Tensor) -> None:
+        """A read of `param` is coming: its bucket is reduced (and updated if step() was
+        called) first."""
+        if not self.busy:
+            b = self.bucket_of.get(id(param))
+            if b is not None:
+                self._update(b)
+
+    def _update_all(self) -> None:
+        for b in sorted(self.pending):
+            self._update(b)
+
+    @torch.no_grad()
+    def _update(self, b: int) -> None:
+        """Bucket b: its reduction completed; after step(), its parameters stepped with the
+        optimizer's own math (param_groups cut down to them, step()'s settings) and their
+        gradients zeroed as zero_grad() asked."""
+        group = self.pending.pop(b)
+        for p in group:
+            del self.bucket_of[id(p)]
+            p.__class__ = type(p).__mro__[1]  # the class it had
+            del p._pyreducer_overlap
+        self.busy = True
+        try:
+            if self.stepped and self.clip_due:
+                self.clip_due = False
+                self._clip()
+            self.reducer.complete_bucket(b)
+            if not self.stepped:
+                self.early.extend(group)
+                return
+            self._step_subset({id(p) for p in group}, hyper=self.hyper)
+        finally:
+            self.busy = False
+        if self.zero_mode is not None:
+            for p in group:
+                if self.zero_mode:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+        if not self.pending:
+            self.zero_mode, self.stepped = None, False
+
+    def _step_subset(self, members: set, hyper) -> None:
+        groups = self.optimizer.param_groups
+        saved = [dict(g) for g in groups]
+        try:
+            for index, g in enumerate(groups):
+                if hyper is not None:
+                    g.update(hyper[index])
+                g["params"] = [p for p in g["params"] if id(p) in members]
+            self.optimizer.step()
+        finally:
+            for g, old in zip(groups, saved):
+                g.clear()
+                g.update(old)
+
+    def _clip(self) -> None:
+        """clip_grad_norm_ over the optimizer's parameters, once every bucket is reduced (the
+        pending ones stay pending for their update: their reads pass through meanwhile)."""
+        busy, self.busy = self.busy, True
+        try:
+            self.reducer.complete_all()
+            params = [p for g in self.optimizer.param_groups for p in g["params"]
+                      if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        finally:
+            self.busy = busy
+
+    # -- the wrapper's forward -----------------------------------------------------------------
+    def forward_ended(self) -> None:
+        """After the wrapper's module ran: what the forward did not read is updated now, before
+        the backward adds into gradients (or the next iteration reads them)."""
+        self.synchronize()
+
+    def _before_module(self, module, args) -> None:
+        if self.pending:
+            for p in module.parameters(recurse=False):
+                self.update_parameter(p)
+
+    def _before_root(self, module, args) -> None:
+        if not self.in_forward and (self.pending or self.reducer.pending_buckets()):
+            self.synchronize()  # a forward of the module itself, not through the wrapper
+
+    def remove(self) -> None:
+        self.synchronize()
+        for handle in self.handles:
+            handle.remove()
+        self.reducer.set_deferred_completion(False)

@@ -322,7 +322,10 @@ void Reducer::mark_ready(size_t index) {
     if (DeviceTimeline* device = device_recording()) {
       device->bucket_ready(record_->slot, location.bucket);
     }
-    if (location.bucket == next_bucket_) launch_ready_buckets();
+    if (next_bucket_ < launch_order_.size() &&
+        static_cast<int64_t>(location.bucket) == launch_order_[next_bucket_]) {
+      launch_ready_buckets();
+    }
   }
 }
 

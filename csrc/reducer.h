@@ -44,6 +44,14 @@
 // and a joined rank's shadow complete what is left first; a gradient arriving meanwhile (a
 // backward through a graph the wrapper's forward did not make) raises.
 //
+// Note [Launch order]
+// Buckets are launched in launch_order_ (by default index order, torch DDP's: buckets are indexed
+// in the order their gradients are expected): the k-th launches once it is full and the
+// (k-1)-th has launched, so every rank issues the same collectives in the same order whatever
+// its timing. A bucket full before those ahead of it in the order is held back. An overlapped
+// optimizer uses this to serve the next forward first: the first layers' buckets, full last,
+// are put ahead of buckets full earlier (pyreducer/overlap.py).
+//
 // Note [Bucket rebuild]
 // As torch DDP does, one backward records the order in which gradients become ready (the first
 // synced one, or the second with static_graph); the next forward with grad enabled calls
@@ -186,6 +194,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Buckets whose reduction is launched and not completed yet (deferred completion only).
   std::vector<int64_t> pending_buckets() const;
 
+  // See Note [Launch order]: `order` is a permutation of the buckets (the k-th launched first);
+  // it must be the same on every rank. A new plan resets it to index order. Python thread,
+  // between iterations; std::invalid_argument if `order` is not a permutation.
+  void set_launch_order(const std::vector<int64_t>& order);
+  std::vector<int64_t> launch_order() const;
+
   // The last synced backward that finished (see BackwardStats).
   BackwardStats last_backward_stats() const;
 
@@ -294,7 +308,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool finalize_queued_ = false;
   bool backward_started_ = false;
   bool finalized_since_forward_ = false;
-  size_t next_bucket_ = 0;      // buckets [0, next_bucket_) are launched
+  size_t next_bucket_ = 0;            // launch_order_[0, next_bucket_) are launched
+  std::vector<int64_t> launch_order_;  // See Note [Launch order]
   std::vector<uint8_t> ready_;  // per parameter
   size_t num_ready_ = 0;
   int64_t num_iterations_ = 0;  // synced forwards so far

@@ -3,6 +3,7 @@
 #include "reducer.h"
 
 #include <algorithm>
+#include <numeric>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
@@ -117,12 +118,14 @@ void Reducer::copy_bucket_in(size_t b) {
 }
 
 void Reducer::launch_ready_buckets() {
-  while (next_bucket_ < set_.buckets.size() && set_.buckets[next_bucket_].pending == 0) {
-    Bucket& bucket = set_.buckets[next_bucket_];
+  while (next_bucket_ < set_.buckets.size() &&
+         set_.buckets[launch_order_[next_bucket_]].pending == 0) {
+    const size_t b = static_cast<size_t>(launch_order_[next_bucket_]);
+    Bucket& bucket = set_.buckets[b];
     if (options_.skip_all_reduce_unused_params && all_unused(bucket)) {
       bucket.skipped = true;  // left as is, on every rank (ranks must agree on unused parameters)
     } else {
-      launch_bucket(next_bucket_);
+      launch_bucket(b);
       if (!static_first_iteration()) stats_.buckets_reduced += 1;
     }
     next_bucket_ += 1;
@@ -160,7 +163,7 @@ void Reducer::launch_bucket(size_t b) {
   }
   GradBucketView view;
   view.index = b;
-  view.is_last = b + 1 == set_.buckets.size();
+  view.is_last = static_cast<int64_t>(b) == launch_order_.back();  // the last launched
   view.buffer = bucket.flat;
   view.gradients = bucket.sparse ? std::vector<at::Tensor>{bucket.flat} : bucket.views;
   for (int64_t i : bucket.param_indices) view.parameters.push_back(params_[i]);
@@ -293,6 +296,35 @@ std::vector<int64_t> Reducer::pending_buckets() const {
   return pending;
 }
 
+void Reducer::set_launch_order(const std::vector<int64_t>& order) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (armed_ || finalize_queued_) {
+    throw std::runtime_error("pyreducer: a launch order can only be set between iterations");
+  }
+  std::vector<uint8_t> seen(set_.buckets.size(), 0);
+  for (int64_t b : order) {
+    if (b < 0 || b >= static_cast<int64_t>(seen.size()) || seen[b]) {
+      throw std::invalid_argument("launch order: expected a permutation of the " +
+                                  std::to_string(seen.size()) + " buckets, found bucket " +
+                                  std::to_string(b) + (b >= 0 && b < static_cast<int64_t>(
+                                                                         seen.size())
+                                                           ? " twice"
+                                                           : ", out of range"));
+    }
+    seen[b] = 1;
+  }
+  if (order.size() != seen.size()) {
+    throw std::invalid_argument("launch order: expected " + std::to_string(seen.size()) +
+                                " buckets, got " + std::to_string(order.size()));
+  }
+  launch_order_ = order;
+}
+
+std::vector<int64_t> Reducer::launch_order() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return launch_order_;
+}
+
 void Reducer::set_deferred_completion(bool deferred, std::function<void()> on_deferred) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (armed_ || finalize_queued_) {
@@ -389,6 +421,8 @@ void Reducer::apply_plan(const std::vector<std::vector<int64_t>>& plan) {
 void Reducer::install_plan(const std::vector<std::vector<int64_t>>& plan) {
   complete_all_locked();  // See Note [Deferred completion]
   set_ = make_buckets(params_, param_names_, plan, sparse_);  // validates before anything changes
+  launch_order_.resize(set_.buckets.size());
+  std::iota(launch_order_.begin(), launch_order_.end(), 0);  // See Note [Launch order]
   plan_history_.push_back(plan);
   adopt_grads_into_buckets();  // see Note [Bucket rebuild]
   rebuild_pending_ = false;    // an explicit plan replaces the pending rebuild

@@ -134,8 +134,8 @@ void Reducer::shadow_backward() {
   at::NoGradGuard no_grad;
   try {
     const ZeroedBuckets zeroed(set_.buckets, params_, options_.gradient_as_bucket_view);
-    for (size_t b = 0; b < set_.buckets.size(); ++b) {
-      launch_bucket(b);  // record_ is null: nothing is recorded
+    for (int64_t b : launch_order_) {  // as the training ranks launch them
+      launch_bucket(static_cast<size_t>(b));  // record_ is null: nothing is recorded
     }
     if (used_map) {
       std::fill(locally_used_.begin(), locally_used_.end(), 0);

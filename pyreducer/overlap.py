@@ -75,10 +75,17 @@ class OverlapOptimizer(torch.optim.Optimizer):
         module: the wrapped module (its submodules get the early-update hooks).
         max_grad_norm: clip the global gradient norm to this before any update, with
             torch.nn.utils.clip_grad_norm_'s arithmetic (every bucket must be reduced first).
+        hold_back: how many of the last buckets (the first layers', full last in backward) are
+            launched first-layers-first right after the backward, ahead of nothing: the buckets
+            before them launch as they fill, then these in forward order, so that the next
+            forward's first reads complete first (Note [Launch order] in csrc/reducer.h).
+            0: torch DDP's order.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, reducer, params, module,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, hold_back: int = 0):
+        if hold_back < 0:
+            raise ValueError(f"overlap_optimizer: hold_back must be >= 0, got {hold_back}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"overlap_optimizer expects a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -90,7 +97,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups  # shared: schedulers may drive either
         self.state = optimizer.state
         self.optimizer, self.reducer, self.params = optimizer, reducer, params
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm, self.hold_back = max_grad_norm, hold_back
         # Buckets whose parameters wear the pending class: reduction in flight, and (once
         # step() was called: self.stepped) their update too.
         self.pending: dict[int, list[torch.Tensor]] = {}
@@ -252,6 +259,15 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.busy = busy
 
     # -- the wrapper's forward -----------------------------------------------------------------
+    def forward_starting(self) -> None:
+        """Before the wrapper's module runs (after any rebuild): the launch order for the coming
+        backward, the same on every rank (it depends on the bucket count alone)."""
+        count = len(self.reducer.bucket_layout())
+        held = min(self.hold_back, count)
+        order = list(range(count - held)) + list(range(count - 1, count - held - 1, -1))
+        if self.reducer.launch_order() != order:
+            self.reducer.set_launch_order(order)
+
     def forward_ended(self) -> None:
         """After the wrapper's module ran: what the forward did not read is updated now, before
         the backward adds into gradients (or the next iteration reads them)."""

@@ -84,6 +84,10 @@ CASES = {
     "static_graph": dict(model="checkpointed", opt="sgd",
                          ddp=dict(static_graph=True, bucket_cap_mb=0.001)),
     "fp16_hook": dict(model="mlp", opt="sgd", hook=True, ddp=dict(bucket_cap_mb=0.3)),
+    # the first layers' buckets launched first after backward (Note [Launch order])
+    "hold_back_2": dict(model="mlp", opt="adam", hold_back=2, ddp=dict(bucket_cap_mb=0.1)),
+    "hold_back_all_tied": dict(model="tied", opt="sgd", hold_back=100,
+                               ddp=dict(bucket_cap_mb=0.001)),
     **{f"scheduler_{name}": dict(model="mlp", opt="sgd", scheduler=name,
                                  ddp=dict(bucket_cap_mb=0.3)) for name in SCHEDULERS},
 }
@@ -101,7 +105,8 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         opt = _optimizer(case["opt"], model.parameters())
         if ours:
-            opt = model.overlap_optimizer(opt, max_grad_norm=case.get("clip"))
+            opt = model.overlap_optimizer(opt, max_grad_norm=case.get("clip"),
+                                          hold_back=case.get("hold_back", 0))
         scheduler = SCHEDULERS[case["scheduler"]](opt) if "scheduler" in case else None
         return model, opt, scheduler
 
@@ -246,3 +251,60 @@ def test_reads_outside_the_forward_see_every_update(overlapped):
         assert torch.equal(reads["snapshot"]["module.0.weight"],
                            results[0]["reads"]["snapshot"]["module.0.weight"])
         assert torch.equal(reads["direct"], results[0]["reads"]["direct"])
+
+
+class _Jitter(nn.Module):
+    """Identity whose backward sleeps a random time (different on every rank and step)."""
+
+    def __init__(self, gen):
+        super().__init__()
+        self.gen = gen
+
+    def forward(self, x):
+        return _Sleep.apply(x, float(torch.rand(1, generator=self.gen)) * 0.02)
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def launch_order_worker(rank, world_size):
+    """Backward slowed at random points, differently on every rank: the buckets still launch in
+    the same order everywhere, the one set (the last 3 held back, then first-layers-first)."""
+    from pyreducer import DistributedDataParallel
+
+    gen = torch.Generator().manual_seed(rank)
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [nn.Linear(32, 32), _Jitter(gen)]
+    model = DistributedDataParallel(nn.Sequential(*layers), bucket_cap_mb=0.004)
+    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), hold_back=3)
+    for _ in range(6):
+        model(torch.randn(4, 32, generator=gen)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    orders = [sorted(range(len(r["buckets"])), key=lambda b: r["buckets"][b]["launch_ns"])
+              for r in model.timeline(3)]
+    return dict(orders=orders, set=model.reducer.launch_order())
+
+
+def test_launch_order_is_the_same_on_every_rank_whatever_the_timing(ranks_once):
+    results = ranks_once(launch_order_worker, 3, ())
+    expected = results[0]["set"]
+    count = len(expected)
+    assert count > 4 and expected == list(range(count - 3)) + [count - 1, count - 2, count - 3]
+    for r in results:
+        assert r["set"] == expected
+        assert r["orders"] and all(order == expected for order in r["orders"]), r["orders"]

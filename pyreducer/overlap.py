@@ -27,6 +27,8 @@ through it would add into gradients still pending).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -109,7 +111,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.zero_mode: bool | None = None  # zero_grad(set_to_none) to apply after updates
         self.busy = False  # inside an update: reads pass through
         self.in_forward = False
-        reducer.set_deferred_completion(True, self._backward_ended)
+        # A weak reference: the C++ Reducer holding this optimizer strongly would be a cycle the
+        # garbage collector cannot see through.
+        ended = weakref.WeakMethod(self._backward_ended)
+        reducer.set_deferred_completion(True, lambda: ended() and ended()())
         self.handles = [m.register_forward_pre_hook(self._before_module)
                         for m in module.modules()]
         self.handles.append(module.register_forward_pre_hook(self._before_root))

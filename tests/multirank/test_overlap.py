@@ -308,3 +308,26 @@ def test_launch_order_is_the_same_on_every_rank_whatever_the_timing(ranks_once):
     for r in results:
         assert r["set"] == expected
         assert r["orders"] and all(order == expected for order in r["orders"]), r["orders"]
+
+
+def released_worker(rank, world_size):
+    """A wrapper with an overlapped optimizer is freed when dropped (no reference cycle through
+    the Reducer's end-of-backward callback)."""
+    import gc
+    import weakref
+
+    from pyreducer import DistributedDataParallel
+
+    model = DistributedDataParallel(nn.Linear(8, 2))
+    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    model.synchronize()
+    refs = (weakref.ref(model), weakref.ref(opt))
+    del model, opt
+    gc.collect()
+    return [r() is None for r in refs]
+
+
+def test_dropped_wrapper_is_freed(ranks_once):
+    assert all(all(r) for r in ranks_once(released_worker, 2, ()))

@@ -350,7 +350,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def timeline(self, last: int = 1) -> list[dict]:
         """The last `last` synced iterations' events on this rank (fields: pyreducer.timeline)."""
-        return timeline_module.records(self._params, self.reducer, last)
+        return timeline_module.records(self._params, self.reducer, last,
+                                       overlap=self._overlap.events if self._overlap else None)
 
     def overlap_stats(self, last: int | None = None) -> dict:
         """Overlap of communication with backward, per iteration and averaged, from the

@@ -27,9 +27,14 @@ through it would add into gradients still pending).
 """
 from __future__ import annotations
 
+import collections
 import weakref
 
 import torch
+
+from pyreducer._ext import _C
+
+HISTORY = 16  # iterations whose overlap events are kept (the timeline keeps 8 by default)
 
 
 _PENDING_CLASSES: dict[type, type] = {}  # a parameter class -> its pending subclass
@@ -111,6 +116,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.zero_mode: bool | None = None  # zero_grad(set_to_none) to apply after updates
         self.busy = False  # inside an update: reads pass through
         self.in_forward = False
+        # What the timeline shows (see events()): per synced iteration, the next forward's span
+        # and each bucket's update, on the Reducer's host clock.
+        self.history: collections.OrderedDict[int, dict] = collections.OrderedDict()
+        self.current: dict | None = None
         # A weak reference: the C++ Reducer holding this optimizer strongly would be a cycle the
         # garbage collector cannot see through.
         ended = weakref.WeakMethod(self._backward_ended)
@@ -188,6 +197,18 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 p._pyreducer_overlap = self
                 p.__class__ = _pending_class(type(p))
         self.stepped, self.early = False, []
+        self.current = dict(iteration=self.reducer.num_iterations, forward_start_ns=0,
+                            forward_end_ns=0, updates=[])
+        self.history[self.current["iteration"]] = self.current
+        while len(self.history) > HISTORY:
+            self.history.popitem(last=False)
+
+    def events(self, iteration: int) -> dict | None:
+        """The overlap of synced iteration `iteration`: {"forward_start_ns", "forward_end_ns"}
+        of the forward that followed its backward, and "updates": per bucket {"bucket",
+        "read_ns" (a read asked for it, or a sync), "reduced_ns" (its all-reduce waited for and
+        written back), "updated_ns" (stepped, or 0 if it was read before step())}."""
+        return self.history.get(iteration)
 
     def synchronize(self) -> None:
         """Completes every pending update and every reduction still in flight."""
@@ -212,6 +233,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         optimizer's own math (param_groups cut down to them, step()'s settings) and their
         gradients zeroed as zero_grad() asked."""
         group = self.pending.pop(b)
+        event = dict(bucket=b, read_ns=_C.Reducer.now_ns(), reduced_ns=0, updated_ns=0)
+        if self.current is not None:
+            self.current["updates"].append(event)
         for p in group:
             del self.bucket_of[id(p)]
             p.__class__ = type(p).__mro__[1]  # the class it had
@@ -222,10 +246,12 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 self.clip_due = False
                 self._clip()
             self.reducer.complete_bucket(b)
+            event["reduced_ns"] = _C.Reducer.now_ns()
             if not self.stepped:
                 self.early.extend(group)
                 return
             self._step_subset({id(p) for p in group}, hyper=self.hyper)
+            event["updated_ns"] = _C.Reducer.now_ns()
         finally:
             self.busy = False
         if self.zero_mode is not None:
@@ -272,11 +298,15 @@ class OverlapOptimizer(torch.optim.Optimizer):
         order = list(range(count - held)) + list(range(count - 1, count - held - 1, -1))
         if self.reducer.launch_order() != order:
             self.reducer.set_launch_order(order)
+        if self.current is not None and not self.current["forward_start_ns"]:
+            self.current["forward_start_ns"] = _C.Reducer.now_ns()
 
     def forward_ended(self) -> None:
         """After the wrapper's module ran: what the forward did not read is updated now, before
         the backward adds into gradients (or the next iteration reads them)."""
         self.synchronize()
+        if self.current is not None and not self.current["forward_end_ns"]:
+            self.current["forward_end_ns"] = _C.Reducer.now_ns()
 
     def _before_module(self, module, args) -> None:
         if self.pending:

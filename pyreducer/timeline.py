@@ -39,16 +39,26 @@ autotune) then uses device times. That path is compiled, not run: no GPU has run
     last_bucket_bound_ms  the last bucket's own all-reduce time, done_last -
                        max(launch_last, done of the bucket before): no schedule can expose less
                        than this, since that bucket cannot start before its last gradient
+
+With an overlapped optimizer (model.overlap_optimizer) a record also has "overlap": the span of
+the forward that followed its backward ("forward_start_ns", "forward_end_ns") and per bucket its
+update ("bucket", "read_ns", "reduced_ns", "updated_ns"; pyreducer/overlap.py); then also:
+
+    hidden_forward_comm_ms  the part of the communication union inside that next forward
+    exposed_comm_ms    communication under neither backward nor the next forward
+    forward_wait_ms    time the next forward waited for all-reduces (sum of reduced - read)
+    update_ms          time spent in the per-bucket optimizer updates (sum of updated - reduced)
 """
 from __future__ import annotations
 
 import statistics
 
 
-def records(params, reducer, last: int = 1, rank: int | None = None) -> list[dict]:
+def records(params, reducer, last: int = 1, rank: int | None = None, overlap=None) -> list[dict]:
     """See the module docstring: the last `last` records of `reducer` (a pyreducer._C.Reducer)
     over `params` (its pyreducer.params.ReducedParams). `rank` defaults to this process's rank
-    in the params' group (pass it where that group may already be destroyed)."""
+    in the params' group (pass it where that group may already be destroyed). `overlap`: an
+    overlapped optimizer's events(iteration), attached to each record as "overlap"."""
     rank = params.rank if rank is None else rank
     result = []
     for raw in reducer.timeline(last):
@@ -56,6 +66,9 @@ def records(params, reducer, last: int = 1, rank: int | None = None) -> list[dic
                       clock=raw["clock"], **_event_times(raw, params))
         if "host" in raw:
             record["host"] = _event_times(raw["host"], params)
+        events = overlap(raw["iteration"]) if overlap is not None else None
+        if events is not None:
+            record["overlap"] = events
         result.append(record)
     return result
 
@@ -107,7 +120,18 @@ def iteration_stats(record: dict) -> dict:
     # threads and can stamp an earlier bucket a little after the last one.
     last_service = buckets[-1]["done_ns"] - max(buckets[-1]["launch_ns"], previous_done) \
         if spans[-1] in recorded else 0
-    return dict(
+    extra = {}
+    overlap = record.get("overlap")
+    if overlap and overlap["forward_start_ns"] and overlap["forward_end_ns"]:
+        forward = _union_length(_clip(recorded, overlap["forward_start_ns"],
+                                      overlap["forward_end_ns"]))
+        updates = overlap["updates"]
+        extra = dict(hidden_forward_comm_ms=forward * ms,
+                     exposed_comm_ms=max(0, busy - hidden - forward) * ms,
+                     forward_wait_ms=sum(u["reduced_ns"] - u["read_ns"] for u in updates) * ms,
+                     update_ms=sum(u["updated_ns"] - u["reduced_ns"] for u in updates
+                                   if u["updated_ns"]) * ms)
+    return {**dict(
         iteration=record["iteration"], rank=record["rank"],
         backward_ms=(end - start) * ms,
         comm_ms=[(done - launch) * ms if (launch, done) in recorded else float("nan")
@@ -117,14 +141,15 @@ def iteration_stats(record: dict) -> dict:
         overlap_fraction=hidden / busy if busy > 0 else 1.0,
         wait_ms=(record["wait_end_ns"] - record["wait_start_ns"]) * ms,
         last_bucket_bound_ms=max(0, last_service) * ms,
-        num_buckets=len(buckets))
+        num_buckets=len(buckets)), **extra}  # overlapped: exposed_comm_ms is redefined
 
 
 def overlap_stats(timeline: list[dict]) -> dict:
     """{"iterations": [per-iteration stats], "mean": {scalar stats averaged}}."""
     per_iteration = [iteration_stats(r) for r in timeline]
     scalars = ["backward_ms", "comm_busy_ms", "hidden_comm_ms", "exposed_comm_ms",
-               "overlap_fraction", "wait_ms", "last_bucket_bound_ms"]
-    mean = {k: statistics.fmean(s[k] for s in per_iteration) for k in scalars} \
-        if per_iteration else {}
+               "overlap_fraction", "wait_ms", "last_bucket_bound_ms", "hidden_forward_comm_ms",
+               "forward_wait_ms", "update_ms"]
+    mean = {k: statistics.fmean(s[k] for s in per_iteration) for k in scalars
+            if all(k in s for s in per_iteration)} if per_iteration else {}
     return dict(iterations=per_iteration, mean=mean)

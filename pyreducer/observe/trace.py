@@ -66,6 +66,12 @@ def shift_record(record: dict, delta: int) -> dict:
                       for b in record["buckets"]]
     if "host" in record:  # device-clock records keep their host times too
         out["host"] = shift_record(record["host"], delta)
+    if "overlap" in record:  # an overlapped optimizer's next-forward span and updates
+        out["overlap"] = {k: (v + delta if k.endswith("_ns") and v else v)
+                          for k, v in record["overlap"].items()}
+        out["overlap"]["updates"] = [{k: (v + delta if k.endswith("_ns") and v else v)
+                                      for k, v in u.items()}
+                                     for u in record["overlap"]["updates"]]
     return out
 
 
@@ -119,8 +125,30 @@ def chrome_trace(timelines: list[list[dict]]) -> dict:
                                    pid=rank, tid=COMPUTE_TID, ts=us(bucket["ready_ns"])))
                 events.append(dict(ph="f", bp="e", id=flow_id, name="ready -> launch",
                                    cat="bucket", pid=rank, tid=tid, ts=us(bucket["launch_ns"])))
+            events += _overlap_events(record, rank, us)
     return dict(traceEvents=events, displayTimeUnit="ms",
                 otherData=dict(producer="pyreducer", clock="monotonic, aligned to rank 0"))
+
+
+def _overlap_events(record: dict, rank: int, us) -> list[dict]:
+    """An overlapped optimizer's next forward (on the compute row, after this backward), and per
+    bucket the forward's wait for its all-reduce and its update (on the wait row)."""
+    overlap = record.get("overlap")
+    if not overlap or not overlap["forward_start_ns"] or not overlap["forward_end_ns"]:
+        return []
+    it = record["iteration"]
+    events = [dict(ph="X", name=f"next forward (updates of iteration {it})", cat="compute",
+                   pid=rank, tid=COMPUTE_TID, ts=us(overlap["forward_start_ns"]),
+                   dur=(overlap["forward_end_ns"] - overlap["forward_start_ns"]) / 1e3)]
+    for u in overlap["updates"]:
+        events.append(dict(ph="X", name=f"wait bucket {u['bucket']}", cat="wait", pid=rank,
+                           tid=WAIT_TID, ts=us(u["read_ns"]),
+                           dur=(u["reduced_ns"] - u["read_ns"]) / 1e3))
+        if u["updated_ns"]:
+            events.append(dict(ph="X", name=f"update bucket {u['bucket']}", cat="update",
+                               pid=rank, tid=WAIT_TID, ts=us(u["reduced_ns"]),
+                               dur=(u["updated_ns"] - u["reduced_ns"]) / 1e3))
+    return events
 
 
 def export_chrome_trace(model, path, last: int = 5) -> str | None:

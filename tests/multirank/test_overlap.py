@@ -6,6 +6,7 @@ outside its module, bucket views, static graph, a communication hook, and a chec
 mid-training; at 2 and 3 ranks. Also that the updates really are deferred to the next forward,
 and that reads outside it (state_dict, model.module, evaluation) see every update."""
 import copy
+import re
 
 import pytest
 import torch
@@ -331,3 +332,43 @@ def released_worker(rank, world_size):
 
 def test_dropped_wrapper_is_freed(ranks_once):
     assert all(all(r) for r in ranks_once(released_worker, 2, ()))
+
+
+def events_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel
+    from pyreducer.observe.trace import chrome_trace
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Tanh(),
+                                                  nn.Linear(64, 64), nn.Tanh(),
+                                                  nn.Linear(64, 4)), bucket_cap_mb=0.01)
+    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), hold_back=1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        model(torch.randn(8, 64, generator=gen)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    records = model.timeline(3)
+    stats = model.overlap_stats(3)
+    trace = chrome_trace([records])
+    return dict(records=records, stats=stats,
+                names=sorted({re.sub(r" \d+$", "", e["name"].split(" (")[0])
+                              for e in trace["traceEvents"] if e.get("ph") == "X"}))
+
+
+def test_timeline_shows_the_next_forward_and_each_update(ranks_once):
+    for r in ranks_once(events_worker, 2, ()):
+        done = [rec for rec in r["records"] if rec["overlap"]["forward_end_ns"]]
+        assert len(done) == 2  # the last iteration's next forward has not run yet
+        for rec in done:
+            overlap = rec["overlap"]
+            assert rec["backward_end_ns"] <= overlap["forward_start_ns"] < overlap["forward_end_ns"]
+            assert sorted(u["bucket"] for u in overlap["updates"]) == \
+                list(range(len(rec["buckets"])))
+            for u in overlap["updates"]:
+                assert overlap["forward_start_ns"] <= u["read_ns"] <= u["reduced_ns"] \
+                    <= u["updated_ns"] <= overlap["forward_end_ns"]
+        for s in r["stats"]["iterations"][:2]:
+            assert s["forward_wait_ms"] >= 0 and s["update_ms"] > 0
+            assert s["hidden_forward_comm_ms"] >= 0 and s["exposed_comm_ms"] >= 0
+        assert {"next forward", "update bucket", "wait bucket"} <= set(r["names"]), r["names"]

@@ -9,6 +9,11 @@ after a check that the communicating ones end with the same parameters. Variants
   flat       after backward, one flat all-reduce of all gradients (no overlap; Apex delay_allreduce)
   torch      torch DDP at the same bucket cap;  pyreducer  pyreducer at that cap
   auto       pyreducer with bucket_cap_mb="auto" (online autotune, 40 warm-up steps)
+  overlapped pyreducer at that cap with its overlapped optimizer (model.overlap_optimizer;
+             --hold-back K: the first layers' K buckets first); time it with --loop-steps N
+With --loop-steps N every variant is timed in blocks of N steps with no barrier inside (the
+per-step barrier would wait behind the overlapped variant's in-flight buckets and erase the
+overlap being measured); blocks alternate like steps.
 Step time = the slowest rank's. Variants alternate step by step (order reversed every step), so
 the ratio to torch DDP comes from adjacent, paired steps, with a bootstrap 95% interval;
 --no-interleave runs each variant for --steps steps in turn instead (the first session's records).
@@ -41,7 +46,7 @@ from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable, check_avail
 sys.path.insert(0, HERE)
 from tables import plot_sweep  # noqa: E402
 
-ALL = "compute,per_param,flat,torch,pyreducer,auto"
+ALL = "compute,per_param,flat,torch,pyreducer,auto,overlapped"
 
 
 def run_one(model, link, nproc, variants, caps, args) -> dict:
@@ -54,6 +59,8 @@ def run_one(model, link, nproc, variants, caps, args) -> dict:
             argv += ["--batch", str(args.batch)]
         if args.interleave:
             argv += ["--interleave"]
+        if args.loop_steps:
+            argv += ["--loop-steps", str(args.loop_steps), "--hold-back", str(args.hold_back)]
         start = time.monotonic()
         print(f"== {model}, {nproc} hosts, link {link}, caps {caps} MB", flush=True)
         with EmulatedCluster(nproc, link, port=29511 + os.getpid() % 1000) as cluster:
@@ -117,7 +124,8 @@ def environment(args):
                 emulation="network namespaces + bridge, tc tbf per host NIC (no latency model)",
                 threads_per_rank=1, date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 steps=args.steps, rounds=args.rounds, warmup=args.warmup,
-                interleave=args.interleave)
+                interleave=args.interleave, loop_steps=args.loop_steps,
+                hold_back=args.hold_back)
 
 
 def main(argv=None):
@@ -136,6 +144,10 @@ def main(argv=None):
                              "for --steps steps in turn; gives paired ratios to torch DDP with "
                              "95%% bootstrap intervals")
     parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--loop-steps", type=int, default=0,
+                        help="time blocks of N steps without a barrier inside (for overlap)")
+    parser.add_argument("--hold-back", type=int, default=0,
+                        help="the overlapped variant's hold_back")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json")
     parser.add_argument("--plot", help="PNG of step time vs bucket cap (sweeps)")

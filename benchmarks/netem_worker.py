@@ -26,7 +26,7 @@ from pyreducer.testing import models  # noqa: E402
 from pyreducer.tools.compare import paired_ratio, summarize  # noqa: E402
 from pyreducer.sync import slowest  # noqa: E402
 
-VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto")
+VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overlapped")
 AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
 
 
@@ -68,7 +68,19 @@ def build(variant, base, cap):
         return TorchDDP(module, bucket_cap_mb=cap)
     if variant == "auto":
         return DistributedDataParallel(module, bucket_cap_mb="auto")
-    return DistributedDataParallel(module, bucket_cap_mb=cap)
+    return DistributedDataParallel(module, bucket_cap_mb=cap)  # pyreducer, overlapped
+
+
+def optimizer(variant, model, hold_back=0):
+    """SGD; for "overlapped" the wrapper's overlapped optimizer around it (pyreducer/overlap.py)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model.overlap_optimizer(opt, hold_back=hold_back) if variant == "overlapped" else opt
+
+
+def finish(model):
+    """Completes an overlapped optimizer's pending updates (nothing for the others)."""
+    if hasattr(model, "synchronize"):
+        model.synchronize()
 
 
 def step(model, spec, opt, batch):
@@ -85,17 +97,18 @@ def step(model, spec, opt, batch):
     return t1 - t0, t2 - t1, t3 - t2
 
 
-def parity(spec, base, variants, cap, batch_size, steps=3):
+def parity(spec, base, variants, cap, batch_size, hold_back, steps=3):
     """Max |param - pyreducer's param| after `steps` steps from the same start and data."""
     finals = {}
     for variant in variants:
         if variant == "compute":
             continue
         model = build(variant, base, cap)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = optimizer(variant, model, hold_back)
         gen = torch.Generator().manual_seed(7 + dist.get_rank())
         for _ in range(steps):
             step(model, spec, opt, spec.batch(gen, batch_size))
+        finish(model)
         finals[variant] = [p.detach().clone() for p in model.parameters()]
     reference = finals.get("pyreducer") or next(iter(finals.values()))
     return {v: max((a - b).abs().max().item() for a, b in zip(ps, reference))
@@ -164,6 +177,12 @@ def main():
     parser.add_argument("--interleave", action="store_true",
                         help="alternate variants every step (paired ratios with bootstrap CIs)")
     parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--loop-steps", type=int, default=0,
+                        help="time blocks of this many steps (no barrier inside a block: a "
+                             "per-step barrier waits behind in-flight buckets and erases the "
+                             "overlapped optimizer's overlap); 0: step by step")
+    parser.add_argument("--hold-back", type=int, default=0,
+                        help="the overlapped variant's hold_back (first layers' buckets first)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -177,7 +196,7 @@ def main():
     base = spec.build()
     log = (lambda *a: print(f"[{args.model}]", *a, flush=True)) if rank == 0 else (lambda *a: None)
 
-    checked = parity(spec, base, variants, caps[0], batch_size)
+    checked = parity(spec, base, variants, caps[0], batch_size, args.hold_back)
     log("parity (max |param - pyreducer|):", {k: f"{v:.2g}" for k, v in checked.items()})
     comm_ms = comm_only_ms(base)
     log(f"one flat all-reduce of all gradients: {comm_ms:.1f} ms")
@@ -192,7 +211,7 @@ def main():
     results = {}
     for cap in caps:
         built = {v: build(v, base, cap) for v in variants}
-        opts = {v: torch.optim.SGD(m.parameters(), lr=0.01) for v, m in built.items()}
+        opts = {v: optimizer(v, m, args.hold_back) for v, m in built.items()}
         gens = {v: torch.Generator().manual_seed(11 + rank) for v in variants}
         times = {v: [] for v in variants}
         split = []  # compute-only forward/backward/step
@@ -200,12 +219,27 @@ def main():
             for _ in range(AUTO_WARMUP if v == "auto" else args.warmup):
                 step(built[v], spec, opts[v], spec.batch(gens[v], batch_size))
         def timed_step(v):
+            if args.loop_steps:
+                return timed_block(v)
             batch = spec.batch(gens[v], batch_size)
             dist.barrier()
             fwd, bwd, opt_step = step(built[v], spec, opts[v], batch)
             times[v].append(slowest(fwd + bwd + opt_step) * 1e3)
             if v == "compute":
                 split.append((fwd * 1e3, bwd * 1e3, opt_step * 1e3))
+
+        def timed_block(v):
+            """--loop-steps steps back to back; their mean, the slowest rank's. The block ends
+            with the overlapped variant's last updates (its tail is not hidden: conservative)."""
+            batches = [spec.batch(gens[v], batch_size) for _ in range(args.loop_steps)]
+            dist.barrier()
+            start = time.perf_counter()
+            for batch in batches:
+                fwd, bwd, opt_step = step(built[v], spec, opts[v], batch)
+                if v == "compute":
+                    split.append((fwd * 1e3, bwd * 1e3, opt_step * 1e3))
+            finish(built[v])
+            times[v].append(slowest((time.perf_counter() - start) / args.loop_steps) * 1e3)
 
         for r in range(args.rounds):
             if args.interleave:  # one step of each variant in turn, order reversed every step
@@ -237,6 +271,9 @@ def main():
             fwd_ms, opt_ms = (entry["compute_split_ms"]["forward"],
                               entry["compute_split_ms"]["step"]) if split else (0.0, 0.0)
             entry["profile"] = vars(built["pyreducer"].profile(fwd_ms, opt_ms, last=5))
+        if "overlapped" in built:
+            entry["overlapped_stats"] = built["overlapped"].overlap_stats(last=5)["mean"]
+            entry["overlapped_buckets"] = len(built["overlapped"].bucket_plan())
         if "auto" in built:
             entry["auto_log"] = built["auto"].autotune_log
             entry["auto_buckets"] = len(built["auto"].bucket_plan())

@@ -44,8 +44,10 @@ With an overlapped optimizer (model.overlap_optimizer) a record also has "overla
 the forward that followed its backward ("forward_start_ns", "forward_end_ns") and per bucket its
 update ("bucket", "read_ns", "reduced_ns", "updated_ns"; pyreducer/overlap.py); then also:
 
-    hidden_forward_comm_ms  the part of the communication union inside that next forward
-    exposed_comm_ms    communication under neither backward nor the next forward
+    hidden_forward_comm_ms  the part of the communication union inside that next forward's
+                       compute: its span minus its waits for all-reduces (communication during a
+                       wait is not hidden, the forward is stalled on it)
+    exposed_comm_ms    communication under neither backward nor the next forward's compute
     forward_wait_ms    time the next forward waited for all-reduces (sum of reduced - read)
     update_ms          time spent in the per-bucket optimizer updates (sum of updated - reduced)
 """
@@ -123,9 +125,11 @@ def iteration_stats(record: dict) -> dict:
     extra = {}
     overlap = record.get("overlap")
     if overlap and overlap["forward_start_ns"] and overlap["forward_end_ns"]:
-        forward = _union_length(_clip(recorded, overlap["forward_start_ns"],
-                                      overlap["forward_end_ns"]))
         updates = overlap["updates"]
+        in_forward = _clip(recorded, overlap["forward_start_ns"], overlap["forward_end_ns"])
+        stalled = sum(_union_length(_clip(in_forward, u["read_ns"], u["reduced_ns"]))
+                      for u in updates)  # waits run one after another: disjoint
+        forward = max(0, _union_length(in_forward) - stalled)
         extra = dict(hidden_forward_comm_ms=forward * ms,
                      exposed_comm_ms=max(0, busy - hidden - forward) * ms,
                      forward_wait_ms=sum(u["reduced_ns"] - u["read_ns"] for u in updates) * ms,
@@ -150,6 +154,9 @@ def overlap_stats(timeline: list[dict]) -> dict:
     scalars = ["backward_ms", "comm_busy_ms", "hidden_comm_ms", "exposed_comm_ms",
                "overlap_fraction", "wait_ms", "last_bucket_bound_ms", "hidden_forward_comm_ms",
                "forward_wait_ms", "update_ms"]
-    mean = {k: statistics.fmean(s[k] for s in per_iteration) for k in scalars
-            if all(k in s for s in per_iteration)} if per_iteration else {}
+    # With an overlapped optimizer, the iterations whose next forward ran (their exposed time is
+    # defined against it); the last one's is still to come.
+    averaged = [s for s in per_iteration if "hidden_forward_comm_ms" in s] or per_iteration
+    mean = {k: statistics.fmean(s[k] for s in averaged) for k in scalars
+            if all(k in s for s in averaged)} if averaged else {}
     return dict(iterations=per_iteration, mean=mean)

@@ -15,7 +15,7 @@ AutotuneConfig's fields; `bucket_cap_mb=AutotuneConfig(...)` tunes with others):
   4. if the two fastest measured plans (the starting one included) are within `confirm_margin`
      of each other, both are measured `measure_iterations` more (a 4-step median moves by a
      few percent here) and compared on all their steps;
-  5. the fastest plan is applied for good.
+  5. the fastest plan (after a close call, the faster of the two confirmed) is applied for good.
 Every decision is rank 0's, broadcast, so all ranks apply the same plans at the same forward.
 Plans only change which gradients share a bucket, never the arithmetic of a gradient, so the
 gradients are those of the untuned run (bit for bit with 2 ranks; with more, all-reduce
@@ -103,6 +103,15 @@ def close_call(measured: list[tuple[str, list[list[int]], float]],
     return []
 
 
+def final_choice(measured: list[tuple[str, list[list[int]], float]],
+                 finalists: list[str]) -> tuple[str, list[list[int]], float]:
+    """The fastest of `measured` (name, plan, median seconds); after a close call, the faster of
+    the `finalists` on all their steps: a third plan measured once must not win because the
+    finalists' longer medians moved."""
+    among = [m for m in measured if not finalists or m[0] in finalists]
+    return min(among, key=lambda m: m[2])
+
+
 class AutoTuner:
     """Online autotune of one wrapper's buckets through its BucketTuning (tuning/control.py)."""
 
@@ -116,6 +125,7 @@ class AutoTuner:
         self.plan_of: dict[str, list[list[int]]] = {}  # measured plans by name ...
         self.samples_of: dict[str, list[float]] = {}  # ... and their step times (s)
         self.confirming: list[tuple[str, list[list[int]]]] = []
+        self.finalists: list[str] = []  # after a close call: the two plans the choice is between
         self.log: list[dict] = []
         self.link = None
 
@@ -222,11 +232,12 @@ class AutoTuner:
             return
         if self.phase is Phase.MEASURE:  # all candidates measured once
             self.confirming = close_call(self._measured(), self.config)
+            self.finalists = [name for name, _ in self.confirming]
         if self.confirming:
             self.tuning.apply_bucket_plan(self.confirming[0][1])
             self.phase = Phase.CONFIRM
             return
-        name, plan, seconds = min(self._measured(), key=lambda m: m[2])
+        name, plan, seconds = final_choice(self._measured(), self.finalists)
         self.tuning.apply_bucket_plan(plan)
         self.phase = Phase.DONE
         self._note("chosen", plan=name, step_ms=seconds * 1e3, buckets=len(plan))

@@ -12,7 +12,7 @@ import pytest
 import pyreducer
 from pyreducer.tuning import (LinkModel, Profile, best_plan, brute_force_plan, fit_link_model,
                               predict_step_ms)
-from pyreducer.tuning.autotune import AutotuneConfig, close_call, enough_samples
+from pyreducer.tuning.autotune import AutotuneConfig, close_call, enough_samples, final_choice
 from pyreducer.tuning.stepmodel import bucket_done_ms, cap_plan
 
 
@@ -154,6 +154,15 @@ def test_autotune_measures_a_close_call_again():
                        ("y", c, 0.2)], config) == [("start", a), ("x", b)]
     assert close_call([("start", a, 0.100), ("x", b, 0.100 * (1 + 2 * margin))], config) == []
     assert close_call([("start", a, 0.100)], config) == []
+
+
+def test_autotune_chooses_between_the_confirmed_plans_after_a_close_call():
+    a, b, c = [[0, 1]], [[0], [1]], [[1], [0]]
+    # "start" was third when the close call was made; confirming moved the finalists' medians
+    # above it, but the choice stays between the two measured on all their steps
+    measured = [("start", a, 0.100), ("optimal", b, 0.102), ("cap 0.5 MB", c, 0.101)]
+    assert final_choice(measured, ["optimal", "cap 0.5 MB"])[0] == "cap 0.5 MB"
+    assert final_choice(measured, [])[0] == "start"  # no close call: the fastest of all
 
 
 @pytest.mark.parametrize("field,value", [("measure_iterations", 1), ("candidates", 0),

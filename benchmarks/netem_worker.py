@@ -28,6 +28,7 @@ from pyreducer.sync import slowest  # noqa: E402
 
 VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overlapped")
 AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
+OVERLAP_WARMUP = 10  # the overlapped optimizer's schedule is planned after 6 (overlap_control)
 
 
 class Plain:
@@ -71,10 +72,15 @@ def build(variant, base, cap):
     return DistributedDataParallel(module, bucket_cap_mb=cap)  # pyreducer, overlapped
 
 
-def optimizer(variant, model, hold_back=0):
-    """SGD; for "overlapped" the wrapper's overlapped optimizer around it (pyreducer/overlap.py)."""
+def optimizer(variant, model, hold_back=0, schedule="auto"):
+    """SGD; for "overlapped" the wrapper's overlapped optimizer around it (pyreducer/overlap.py),
+    with its own planned schedule ("auto"), or torch DDP's order ("fifo", implied by
+    hold_back)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    return model.overlap_optimizer(opt, hold_back=hold_back) if variant == "overlapped" else opt
+    if variant != "overlapped":
+        return opt
+    return model.overlap_optimizer(opt, hold_back=hold_back,
+                                   schedule="fifo" if hold_back else schedule)
 
 
 def finish(model):
@@ -97,14 +103,14 @@ def step(model, spec, opt, batch):
     return t1 - t0, t2 - t1, t3 - t2
 
 
-def parity(spec, base, variants, cap, batch_size, hold_back, steps=3):
+def parity(spec, base, variants, cap, batch_size, hold_back, schedule, steps=3):
     """Max |param - pyreducer's param| after `steps` steps from the same start and data."""
     finals = {}
     for variant in variants:
         if variant == "compute":
             continue
         model = build(variant, base, cap)
-        opt = optimizer(variant, model, hold_back)
+        opt = optimizer(variant, model, hold_back, schedule)
         gen = torch.Generator().manual_seed(7 + dist.get_rank())
         for _ in range(steps):
             step(model, spec, opt, spec.batch(gen, batch_size))
@@ -183,6 +189,8 @@ def main():
                              "overlapped optimizer's overlap); 0: step by step")
     parser.add_argument("--hold-back", type=int, default=0,
                         help="the overlapped variant's hold_back (first layers' buckets first)")
+    parser.add_argument("--schedule", default="auto", choices=("auto", "fifo"),
+                        help="the overlapped variant's schedule (overlap_optimizer(schedule=))")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -196,7 +204,7 @@ def main():
     base = spec.build()
     log = (lambda *a: print(f"[{args.model}]", *a, flush=True)) if rank == 0 else (lambda *a: None)
 
-    checked = parity(spec, base, variants, caps[0], batch_size, args.hold_back)
+    checked = parity(spec, base, variants, caps[0], batch_size, args.hold_back, args.schedule)
     log("parity (max |param - pyreducer|):", {k: f"{v:.2g}" for k, v in checked.items()})
     comm_ms = comm_only_ms(base)
     log(f"one flat all-reduce of all gradients: {comm_ms:.1f} ms")
@@ -211,12 +219,13 @@ def main():
     results = {}
     for cap in caps:
         built = {v: build(v, base, cap) for v in variants}
-        opts = {v: optimizer(v, m, args.hold_back) for v, m in built.items()}
+        opts = {v: optimizer(v, m, args.hold_back, args.schedule) for v, m in built.items()}
         gens = {v: torch.Generator().manual_seed(11 + rank) for v in variants}
         times = {v: [] for v in variants}
         split = []  # compute-only forward/backward/step
         for v in variants:
-            for _ in range(AUTO_WARMUP if v == "auto" else args.warmup):
+            warmup = {"auto": AUTO_WARMUP, "overlapped": max(args.warmup, OVERLAP_WARMUP)}
+            for _ in range(warmup.get(v, args.warmup)):
                 step(built[v], spec, opts[v], spec.batch(gens[v], batch_size))
         def timed_step(v):
             if args.loop_steps:
@@ -262,6 +271,7 @@ def main():
             entry["compute_split_ms"] = dict(forward=fwd, backward=bwd, step=opt_step,
                                              rank=slow_rank)
             entry["bound_ms"] = fwd + max(bwd, comm_ms) + opt_step
+            entry["floor_ms"] = max(fwd + bwd + opt_step, comm_ms)  # with the barrier gone
             contended = backward_under_comm_ms(spec, base, batch_size)
             entry["backward_under_comm_ms"] = contended
             entry["contended_bound_ms"] = fwd + max(contended, comm_ms) + opt_step
@@ -274,6 +284,7 @@ def main():
         if "overlapped" in built:
             entry["overlapped_stats"] = built["overlapped"].overlap_stats(last=5)["mean"]
             entry["overlapped_buckets"] = len(built["overlapped"].bucket_plan())
+            entry["overlapped_schedule"] = opts["overlapped"].schedule_log  # what was planned
         if "auto" in built:
             entry["auto_log"] = built["auto"].autotune_log
             entry["auto_buckets"] = len(built["auto"].bucket_plan())

@@ -276,8 +276,11 @@ void bind_reducer(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("complete_all", &Reducer::complete_all, py::call_guard<py::gil_scoped_release>())
       .def("pending_buckets", &Reducer::pending_buckets)
-      .def("set_launch_order", &Reducer::set_launch_order, py::arg("order"))
+      .def("set_launch_order", &Reducer::set_launch_order, py::arg("order"),
+           py::arg("chunks") = std::vector<int64_t>{})
       .def("launch_order", &Reducer::launch_order)
+      .def("launch_chunks", &Reducer::launch_chunks)
+      .def("has_comm_hook", &Reducer::has_comm_hook)
       .def("divide_next_backward_by", &Reducer::divide_next_backward_by, py::arg("ranks"))
       .def_property_readonly("num_iterations", &Reducer::num_iterations)
       .def("backward_stats", &backward_stats)

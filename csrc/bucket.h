@@ -38,7 +38,9 @@ struct Bucket {
   int64_t size_bytes = 0;
   size_t pending = 0;                  // slots not yet filled this iteration
   bool skipped = false;                // not reduced this iteration (skip_all_reduce_unused_params)
-  WorkPtr work;                        // in-flight all-reduce (no hook), null when not launched
+  std::vector<WorkPtr> works;          // in-flight all-reduces (no hook), one per chunk
+                                       // launched (see Note [Launch order]); empty: none
+  size_t chunks_launched = 0;          // this iteration's
   c10::intrusive_ptr<c10::ivalue::Future> future;  // in-flight hook result (with a hook)
   std::vector<c10::Stream> copy_streams;  // see Note [Streams of a bucket]
 };

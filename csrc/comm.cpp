@@ -31,7 +31,12 @@ WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
     }
     if (done_ns != nullptr) {
       future->addCallback([done_ns](c10::ivalue::Future& /*unused*/) {
-        done_ns->store(Timeline::now_ns(), std::memory_order_release);
+        // The latest completion: the chunks of one bucket share `done_ns`.
+        const int64_t now = Timeline::now_ns();
+        int64_t seen = done_ns->load(std::memory_order_relaxed);
+        while (seen < now &&
+               !done_ns->compare_exchange_weak(seen, now, std::memory_order_release)) {
+        }
       });
     }
     if (range) torch::autograd::profiler::_call_end_callbacks_on_fut_new(range, future);

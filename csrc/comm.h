@@ -19,7 +19,8 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 // Launches an asynchronous SUM all-reduce of `flat` on `group` and returns its work handle at
 // once. Every rank must call it for the same buckets in the same order. Any thread.
 // If `done_ns` is given, the completion time (Timeline::now_ns) is stored there from the
-// communication thread when the work's future completes; the callback keeps `done_ns` alive
+// communication thread when the work's future completes, unless a later time is there already
+// (several chunks of a bucket share it); the callback keeps `done_ns` alive
 // (it may run after the caller has seen the work complete, even after the caller is gone). If
 // a torch profiler is active, a range named `label` spans launch to completion (`label` is only
 // built then).

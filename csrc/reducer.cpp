@@ -165,10 +165,10 @@ std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tens
   if (finalize_queued_ || backward_started_ || num_ready_ > 0) {
     // The previous synced backward was interrupted (an exception inside backward) before its
     // end-of-backward callback ran.
-    if (next_bucket_ > 0) {
+    if (next_launch_ > 0) {
       fail("pyreducer: the previous backward on rank " + std::to_string(group_->getRank()) +
-           " was interrupted after it had launched " + std::to_string(next_bucket_) + " of " +
-           std::to_string(set_.buckets.size()) +
+           " was interrupted after it had launched " + std::to_string(next_launch_) + " of " +
+           std::to_string(launch_order_.size()) +
            " bucket all-reduces; the ranks may now disagree on which collectives ran, so "
            "training cannot continue safely. Fix the error raised in that backward.");
     }
@@ -322,8 +322,8 @@ void Reducer::mark_ready(size_t index) {
     if (DeviceTimeline* device = device_recording()) {
       device->bucket_ready(record_->slot, location.bucket);
     }
-    if (next_bucket_ < launch_order_.size() &&
-        static_cast<int64_t>(location.bucket) == launch_order_[next_bucket_]) {
+    if (next_launch_ < launch_order_.size() &&
+        static_cast<int64_t>(location.bucket) == launch_order_[next_launch_]) {
       launch_ready_buckets();
     }
   }
@@ -406,7 +406,7 @@ void Reducer::finalize() {
     for (size_t i = 0; i < params_.size(); ++i) mark_ready(i);
     launch_used_map_allreduce();
   }
-  if (next_bucket_ < set_.buckets.size()) {
+  if (next_launch_ < launch_order_.size()) {
     fail("pyreducer: backward on rank " + std::to_string(group_->getRank()) +
          " finished before every gradient was reduced: " + describe_unready(20) +
          ". The gradients would be left un-averaged. Make every parameter take part in the "
@@ -445,7 +445,7 @@ void Reducer::reset_iteration(bool keep_reductions) {
   armed_ = false;
   finalize_queued_ = false;
   backward_started_ = false;
-  next_bucket_ = 0;
+  next_launch_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
   num_ready_ = 0;
   used_map_work_.reset();
@@ -453,8 +453,9 @@ void Reducer::reset_iteration(bool keep_reductions) {
   for (Bucket& bucket : set_.buckets) {
     bucket.pending = bucket.param_indices.size();
     bucket.copy_streams.clear();
+    bucket.chunks_launched = 0;
     if (keep_reductions) continue;  // completed later, bucket by bucket
-    bucket.work.reset();
+    bucket.works.clear();
     bucket.future.reset();
     bucket.skipped = false;
     if (bucket.sparse) bucket.flat = at::Tensor();  // the gradient stays the parameter's alone

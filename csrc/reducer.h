@@ -45,12 +45,20 @@
 // backward through a graph the wrapper's forward did not make) raises.
 //
 // Note [Launch order]
-// Buckets are launched in launch_order_ (by default index order, torch DDP's: buckets are indexed
-// in the order their gradients are expected): the k-th launches once it is full and the
-// (k-1)-th has launched, so every rank issues the same collectives in the same order whatever
-// its timing. A bucket full before those ahead of it in the order is held back. An overlapped
-// optimizer uses this to serve the next forward first: the first layers' buckets, full last,
-// are put ahead of buckets full earlier (pyreducer/overlap.py).
+// A bucket may be all-reduced in chunks: chunks_[b] all-reduces of consecutive, near-equal
+// element ranges of its buffer (chunk k: elements [n*k/c, n*(k+1)/c)); 1 by default. The
+// chunks are launched in launch_order_, a sequence in which bucket b appears chunks_[b] times
+// (its k-th appearance is its chunk k). By default it is index order, one chunk each (torch
+// DDP's: buckets are indexed in the order their gradients are expected). The k-th entry
+// launches once its bucket is full and the (k-1)-th has launched, so every rank issues the same
+// collectives in the same order whatever its timing; a bucket full before those ahead of it in
+// the sequence is held back. An overlapped optimizer uses this to serve the next forward first
+// (pyreducer/overlap.py, pyreducer/tuning/schedule.py): a few chunks of the buckets full early
+// keep the link busy during backward, then the first layers' buckets, full last, go ahead of
+// the rest. A bucket is complete when all its chunks are. Chunks take element ranges of one
+// SUM all-reduce, so with 2 ranks the sums are those of the whole bucket, bit for bit (with
+// more, the backend's summation order may follow the chunk's size, within float rounding).
+// A communication hook sees whole buckets: with one, every bucket has one chunk.
 //
 // Note [Bucket rebuild]
 // As torch DDP does, one backward records the order in which gradients become ready (the first
@@ -194,11 +202,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Buckets whose reduction is launched and not completed yet (deferred completion only).
   std::vector<int64_t> pending_buckets() const;
 
-  // See Note [Launch order]: `order` is a permutation of the buckets (the k-th launched first);
-  // it must be the same on every rank. A new plan resets it to index order. Python thread,
-  // between iterations; std::invalid_argument if `order` is not a permutation.
-  void set_launch_order(const std::vector<int64_t>& order);
+  // See Note [Launch order]: `chunks[b]` (empty: 1 each) all-reduces for bucket b, launched in
+  // `order`, where bucket b appears chunks[b] times; the same on every rank. A new plan resets
+  // both to index order, one chunk each. Python thread, between iterations. std::invalid_argument, naming the bucket, if a count is below
+  // 1 or above the bucket's element count, is not 1 for a sparse bucket or with a communication
+  // hook, or `order` does not hold each bucket that many times.
+  void set_launch_order(const std::vector<int64_t>& order,
+                        const std::vector<int64_t>& chunks = {});
   std::vector<int64_t> launch_order() const;
+  std::vector<int64_t> launch_chunks() const;  // chunks per bucket
+  bool has_comm_hook() const;
 
   // The last synced backward that finished (see BackwardStats).
   BackwardStats last_backward_stats() const;
@@ -252,7 +265,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void note_ready(size_t index);
   void copy_into_slot(size_t index, at::Tensor& slot);
   void launch_ready_buckets();
-  void launch_bucket(size_t b);
+  void launch_chunk(size_t b);  // bucket b's next chunk (its only one with a hook)
   void copy_bucket_in(size_t b);  // batched_grad_copy: the whole bucket at once
   void launch_used_map_allreduce();
   bool all_locally_used() const;
@@ -308,8 +321,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool finalize_queued_ = false;
   bool backward_started_ = false;
   bool finalized_since_forward_ = false;
-  size_t next_bucket_ = 0;            // launch_order_[0, next_bucket_) are launched
-  std::vector<int64_t> launch_order_;  // See Note [Launch order]
+  size_t next_launch_ = 0;            // launch_order_[0, next_launch_) are launched
+  std::vector<int64_t> launch_order_;  // See Note [Launch order]: buckets, once per chunk
+  std::vector<int64_t> chunks_;        // per bucket: its all-reduces (1, or more without hook)
   std::vector<uint8_t> ready_;  // per parameter
   size_t num_ready_ = 0;
   int64_t num_iterations_ = 0;  // synced forwards so far

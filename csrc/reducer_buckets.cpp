@@ -118,43 +118,59 @@ void Reducer::copy_bucket_in(size_t b) {
 }
 
 void Reducer::launch_ready_buckets() {
-  while (next_bucket_ < set_.buckets.size() &&
-         set_.buckets[launch_order_[next_bucket_]].pending == 0) {
-    const size_t b = static_cast<size_t>(launch_order_[next_bucket_]);
+  while (next_launch_ < launch_order_.size() &&
+         set_.buckets[launch_order_[next_launch_]].pending == 0) {
+    const size_t b = static_cast<size_t>(launch_order_[next_launch_]);
     Bucket& bucket = set_.buckets[b];
-    if (options_.skip_all_reduce_unused_params && all_unused(bucket)) {
+    const bool first_chunk = bucket.chunks_launched == 0;
+    if (first_chunk && options_.skip_all_reduce_unused_params && all_unused(bucket)) {
       bucket.skipped = true;  // left as is, on every rank (ranks must agree on unused parameters)
-    } else {
-      launch_bucket(b);
-      if (!static_first_iteration()) stats_.buckets_reduced += 1;
     }
-    next_bucket_ += 1;
+    if (bucket.skipped) {
+      bucket.chunks_launched += 1;  // none of its chunks is all-reduced
+    } else {
+      launch_chunk(b);
+      if (first_chunk && !static_first_iteration()) stats_.buckets_reduced += 1;
+    }
+    next_launch_ += 1;
   }
-  if (next_bucket_ == set_.buckets.size() && dynamic_find_unused()) launch_used_map_allreduce();
+  if (next_launch_ == launch_order_.size() && dynamic_find_unused()) launch_used_map_allreduce();
 }
 
-void Reducer::launch_bucket(size_t b) {
+void Reducer::launch_chunk(size_t b) {
   Bucket& bucket = set_.buckets[b];
+  const size_t chunk = bucket.chunks_launched++;
+  const auto chunks = static_cast<size_t>(chunks_[b]);
+  const bool first = chunk == 0;
+  const bool last = chunk + 1 == chunks;
   wait_for_copy_streams(bucket);  // See Note [Streams of a bucket]
   DeviceTimeline* device = device_recording();
   std::shared_ptr<std::atomic<int64_t>> done;  // the record's done time, shared with callbacks
   if (armed_ && stats_.comm_start_ns == 0) stats_.comm_start_ns = Timeline::now_ns();
   if (record_) {
-    record_->bucket_launch_ns[b] = Timeline::now_ns();
+    if (first) record_->bucket_launch_ns[b] = Timeline::now_ns();
     done = std::shared_ptr<std::atomic<int64_t>>(record_->bucket_done_ns,
                                                  &record_->bucket_done_ns[b]);
-    if (device) device->bucket_launch(record_->slot, b);
+    if (device && first) device->bucket_launch(record_->slot, b);
   }
   if (!comm_hook_) {
     // On CUDA the profiler range ends when the work's future completes, which ProcessGroupNCCL
     // does at enqueue: there it marks the launch; the NCCL kernel itself is on the profiler's
     // CUDA timeline, and the device timeline has the bucket's real communication time.
-    bucket.work = allreduce_sum_async(group_, bucket.flat, done, [b] {
-      return "pyreducer.allreduce.bucket_" + std::to_string(b);
-    });
-    if (device) {
+    at::Tensor flat = bucket.flat;
+    if (chunks > 1) {  // See Note [Launch order]: chunk k of c
+      const int64_t n = bucket.flat.numel();
+      const int64_t begin = n * static_cast<int64_t>(chunk) / static_cast<int64_t>(chunks);
+      const int64_t end = n * static_cast<int64_t>(chunk + 1) / static_cast<int64_t>(chunks);
+      flat = bucket.flat.narrow(0, begin, end - begin);
+    }
+    bucket.works.push_back(allreduce_sum_async(group_, flat, done, [b, chunk, chunks] {
+      return "pyreducer.allreduce.bucket_" + std::to_string(b) +
+             (chunks > 1 ? ".chunk_" + std::to_string(chunk) : std::string());
+    }));
+    if (device && last) {  // one stream: the last chunk's completion follows the others'
       try {
-        device->bucket_done(record_->slot, b, bucket.work->getFuture());
+        device->bucket_done(record_->slot, b, bucket.works.back()->getFuture());
       } catch (const std::exception&) {
         // A backend without futures: this bucket's device done time stays unrecorded.
       }
@@ -264,7 +280,7 @@ void Reducer::complete_locked(size_t b) {
   copy_out_bucket(b);
   awaiting_[b] = 0;
   num_awaiting_ -= 1;
-  bucket.work.reset();
+  bucket.works.clear();
   bucket.future.reset();
   if (bucket.sparse) bucket.flat = at::Tensor();
   if (num_awaiting_ == 0) {
@@ -296,35 +312,6 @@ std::vector<int64_t> Reducer::pending_buckets() const {
   return pending;
 }
 
-void Reducer::set_launch_order(const std::vector<int64_t>& order) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (armed_ || finalize_queued_) {
-    throw std::runtime_error("pyreducer: a launch order can only be set between iterations");
-  }
-  std::vector<uint8_t> seen(set_.buckets.size(), 0);
-  for (int64_t b : order) {
-    if (b < 0 || b >= static_cast<int64_t>(seen.size()) || seen[b]) {
-      throw std::invalid_argument("launch order: expected a permutation of the " +
-                                  std::to_string(seen.size()) + " buckets, found bucket " +
-                                  std::to_string(b) + (b >= 0 && b < static_cast<int64_t>(
-                                                                         seen.size())
-                                                           ? " twice"
-                                                           : ", out of range"));
-    }
-    seen[b] = 1;
-  }
-  if (order.size() != seen.size()) {
-    throw std::invalid_argument("launch order: expected " + std::to_string(seen.size()) +
-                                " buckets, got " + std::to_string(order.size()));
-  }
-  launch_order_ = order;
-}
-
-std::vector<int64_t> Reducer::launch_order() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return launch_order_;
-}
-
 void Reducer::set_deferred_completion(bool deferred, std::function<void()> on_deferred) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (armed_ || finalize_queued_) {
@@ -340,9 +327,15 @@ void Reducer::wait_bucket(size_t b) {
   Bucket& bucket = set_.buckets[b];
   if (bucket.skipped) return;
   if (!bucket.future) {
-    wait_or_throw(bucket.work, group_, "all-reduce of bucket " + std::to_string(b));
+    for (size_t k = 0; k < bucket.works.size(); ++k) {
+      wait_or_throw(bucket.works[k], group_,
+                    "all-reduce of bucket " + std::to_string(b) +
+                        (bucket.works.size() > 1 ? " (chunk " + std::to_string(k) + " of " +
+                                                       std::to_string(bucket.works.size()) + ")"
+                                                 : std::string()));
+    }
     if (bucket.sparse) {  // a sparse all-reduce may return its sum as a new tensor
-      const std::vector<at::Tensor> result = bucket.work->result();
+      const std::vector<at::Tensor> result = bucket.works.front()->result();
       if (!result.empty() && !result.front().is_same(bucket.flat)) {
         at::NoGradGuard no_grad;
         bucket.flat.copy_(result.front());
@@ -423,6 +416,7 @@ void Reducer::install_plan(const std::vector<std::vector<int64_t>>& plan) {
   set_ = make_buckets(params_, param_names_, plan, sparse_);  // validates before anything changes
   launch_order_.resize(set_.buckets.size());
   std::iota(launch_order_.begin(), launch_order_.end(), 0);  // See Note [Launch order]
+  chunks_.assign(set_.buckets.size(), 1);
   plan_history_.push_back(plan);
   adopt_grads_into_buckets();  // see Note [Bucket rebuild]
   rebuild_pending_ = false;    // an explicit plan replaces the pending rebuild

@@ -4,6 +4,7 @@
 // reducer.cpp (see Note [Reducer iteration]), its bucket I/O in reducer_buckets.cpp.
 #include "reducer.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
@@ -120,6 +121,13 @@ void Reducer::register_comm_hook(std::shared_ptr<CommHook> hook) {
                              "synced forward (as in torch DDP); " +
                              std::to_string(num_iterations_) + " iteration(s) already ran");
   }
+  for (size_t b = 0; b < chunks_.size(); ++b) {
+    if (chunks_[b] != 1) {
+      throw std::runtime_error("pyreducer: a communication hook sees whole buckets, but the "
+                               "launch order splits bucket " + std::to_string(b) + " into " +
+                               std::to_string(chunks_[b]) + " chunks (see Note [Launch order])");
+    }
+  }
   comm_hook_ = std::move(hook);  // the hook averages: copy-in does not scale (prepare_for_backward)
 }
 
@@ -134,8 +142,8 @@ void Reducer::shadow_backward() {
   at::NoGradGuard no_grad;
   try {
     const ZeroedBuckets zeroed(set_.buckets, params_, options_.gradient_as_bucket_view);
-    for (int64_t b : launch_order_) {  // as the training ranks launch them
-      launch_bucket(static_cast<size_t>(b));  // record_ is null: nothing is recorded
+    for (int64_t b : launch_order_) {  // as the training ranks launch them, chunk by chunk
+      launch_chunk(static_cast<size_t>(b));  // record_ is null: nothing is recorded
     }
     if (used_map) {
       std::fill(locally_used_.begin(), locally_used_.end(), 0);
@@ -159,6 +167,66 @@ void Reducer::shadow_backward() {
 void Reducer::note_unsynced_forward() {
   std::lock_guard<std::mutex> lock(mutex_);
   finalized_since_forward_ = false;
+}
+
+
+void Reducer::set_launch_order(const std::vector<int64_t>& order,
+                               const std::vector<int64_t>& chunks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (armed_ || finalize_queued_) {
+    throw std::runtime_error("pyreducer: a launch order can only be set between iterations");
+  }
+  const size_t count = set_.buckets.size();
+  std::vector<int64_t> counts = chunks.empty() ? std::vector<int64_t>(count, 1) : chunks;
+  if (counts.size() != count) {
+    throw std::invalid_argument("launch order: expected a chunk count for each of the " +
+                                std::to_string(count) + " buckets, got " +
+                                std::to_string(counts.size()));
+  }
+  for (size_t b = 0; b < count; ++b) {
+    const Bucket& bucket = set_.buckets[b];
+    const int64_t most = (bucket.sparse || comm_hook_) ? 1 : std::max<int64_t>(1, bucket.flat.numel());
+    if (counts[b] < 1 || counts[b] > most) {
+      throw std::invalid_argument(
+          "launch order: bucket " + std::to_string(b) + " can be split into 1 to " +
+          std::to_string(most) + " chunks" +
+          (bucket.sparse ? " (sparse)" : comm_hook_ ? " (a communication hook sees whole buckets)"
+                                                    : " (its element count)") +
+          ", got " + std::to_string(counts[b]));
+    }
+  }
+  std::vector<int64_t> seen(count, 0);
+  for (int64_t b : order) {
+    if (b < 0 || b >= static_cast<int64_t>(count)) {
+      throw std::invalid_argument("launch order: bucket " + std::to_string(b) +
+                                  " is out of range (" + std::to_string(count) + " buckets)");
+    }
+    seen[b] += 1;
+  }
+  for (size_t b = 0; b < count; ++b) {
+    if (seen[b] != counts[b]) {
+      throw std::invalid_argument("launch order: bucket " + std::to_string(b) +
+                                  " must appear once per chunk, " + std::to_string(counts[b]) +
+                                  " time(s), found " + std::to_string(seen[b]));
+    }
+  }
+  launch_order_ = order;
+  chunks_ = std::move(counts);
+}
+
+std::vector<int64_t> Reducer::launch_order() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return launch_order_;
+}
+
+bool Reducer::has_comm_hook() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return comm_hook_ != nullptr;
+}
+
+std::vector<int64_t> Reducer::launch_chunks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return chunks_;
 }
 
 }  // namespace pyreducer

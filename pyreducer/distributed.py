@@ -254,7 +254,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._overlap is None:
             yield
             return
-        self._overlap.forward_starting()
+        self._overlap.forward_starting(torch.is_grad_enabled()
+                                       and self.require_backward_grad_sync)
         self._overlap.in_forward = True
         try:
             yield
@@ -437,18 +438,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.process_group
 
     # -- the overlapped optimizer (pyreducer/overlap.py) ----------------------------------------
-    def overlap_optimizer(self, optimizer, max_grad_norm: float | None = None,
-                          hold_back: int = 0):
+    def overlap_optimizer(self, optimizer, **options):
         """An optimizer whose updates overlap the next forward: each bucket's parameters are
         updated with `optimizer`'s own math just before the next forward reads them (Note
-        [Overlapped step] in pyreducer/overlap.py; the loop does not change). max_grad_norm:
-        clip_grad_norm_ before the step; hold_back: see OverlapOptimizer."""
+        [Overlapped step] in pyreducer/overlap.py; the loop does not change). Options
+        (max_grad_norm, schedule, hold_back): see OverlapOptimizer."""
         if self._overlap is not None:
             raise RuntimeError("pyreducer: this wrapper already has an overlapped optimizer")
         if self._join_config.enable:
             raise ValueError("pyreducer: overlap_optimizer cannot be created inside join()")
         self._overlap = OverlapOptimizer(optimizer, self.reducer, self._params, self.module,
-                                         max_grad_norm, hold_back)
+                                         tuning=self._tuning, autotune=self._autotune, **options)
         return self._overlap
 
     def synchronize(self) -> None:

@@ -33,6 +33,7 @@ import weakref
 import torch
 
 from pyreducer._ext import _C
+from pyreducer.tuning.overlap_control import ScheduleTuner
 
 HISTORY = 16  # iterations whose overlap events are kept (the timeline keeps 8 by default)
 
@@ -82,17 +83,31 @@ class OverlapOptimizer(torch.optim.Optimizer):
         module: the wrapped module (its submodules get the early-update hooks).
         max_grad_norm: clip the global gradient norm to this before any update, with
             torch.nn.utils.clip_grad_norm_'s arithmetic (every bucket must be reduced first).
-        hold_back: how many of the last buckets (the first layers', full last in backward) are
-            launched first-layers-first right after the backward, ahead of nothing: the buckets
-            before them launch as they fill, then these in forward order, so that the next
-            forward's first reads complete first (Note [Launch order] in csrc/reducer.h).
-            0: torch DDP's order.
+        schedule: "auto" (default): after a few iterations, the buckets are all-reduced in
+            chunks, in the order that serves the next forward first, chosen by the step model
+            of pyreducer/tuning/schedule.py from this run's timeline and a link probe (on every
+            rank alike; see pyreducer/tuning/overlap_control.py; its schedule_log says what
+            was chosen). "fifo": whole buckets in torch DDP's order (with 3 or more
+            ranks, the only schedule whose all-reduce sums are torch DDP's bit for bit).
+        hold_back: with schedule="fifo": how many of the last buckets (the first layers', full
+            last in backward) are launched first-layers-first right after the backward, so
+            that the next forward's first reads complete first (Note [Launch order] in
+            csrc/reducer.h). 0: torch DDP's order.
+        tuning, autotune: the wrapper's BucketTuning and AutoTuner (schedule="auto" waits for
+            the bucket autotune to decide).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, reducer, params, module,
-                 max_grad_norm: float | None = None, hold_back: int = 0):
+                 max_grad_norm: float | None = None, hold_back: int = 0, schedule: str = "auto",
+                 tuning=None, autotune=None):
         if hold_back < 0:
             raise ValueError(f"overlap_optimizer: hold_back must be >= 0, got {hold_back}")
+        if schedule not in ("auto", "fifo"):
+            raise ValueError(f"overlap_optimizer: schedule must be 'auto' or 'fifo', got "
+                             f"{schedule!r}")
+        if hold_back and schedule != "fifo":
+            raise ValueError("overlap_optimizer: hold_back applies to schedule='fifo' (the "
+                             "'auto' schedule chooses the order itself)")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"overlap_optimizer expects a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -105,6 +120,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self.optimizer, self.reducer, self.params = optimizer, reducer, params
         self.max_grad_norm, self.hold_back = max_grad_norm, hold_back
+        self.tuner = ScheduleTuner(tuning, self.events, autotune, settle=self.synchronize) \
+            if schedule == "auto" else None
         # Buckets whose parameters wear the pending class: reduction in flight, and (once
         # step() was called: self.stepped) their update too.
         self.pending: dict[int, list[torch.Tensor]] = {}
@@ -128,6 +145,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
                         for m in module.modules()]
         self.handles.append(module.register_forward_pre_hook(self._before_root))
         self.handles.append(module.register_state_dict_pre_hook(lambda *args: self.synchronize()))
+
+    @property
+    def schedule_log(self) -> list[dict]:
+        """The schedules chosen so far (schedule="auto"; pyreducer/tuning/overlap_control.py)."""
+        return self.tuner.log if self.tuner is not None else []
 
     # -- the optimizer interface -----------------------------------------------------------------
     @torch.no_grad()
@@ -290,14 +312,19 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.busy = busy
 
     # -- the wrapper's forward -----------------------------------------------------------------
-    def forward_starting(self) -> None:
+    def forward_starting(self, synced: bool) -> None:
         """Before the wrapper's module runs (after any rebuild): the launch order for the coming
-        backward, the same on every rank (it depends on the bucket count alone)."""
-        count = len(self.reducer.bucket_layout())
-        held = min(self.hold_back, count)
-        order = list(range(count - held)) + list(range(count - 1, count - held - 1, -1))
-        if self.reducer.launch_order() != order:
-            self.reducer.set_launch_order(order)
+        backward, the same on every rank (schedule="fifo": it depends on the bucket count alone;
+        "auto": see ScheduleTuner)."""
+        if self.tuner is not None:
+            if synced:
+                self.tuner.before_synced_forward()
+        else:
+            count = len(self.reducer.bucket_layout())
+            held = min(self.hold_back, count)
+            order = list(range(count - held)) + list(range(count - 1, count - held - 1, -1))
+            if self.reducer.launch_order() != order or set(self.reducer.launch_chunks()) != {1}:
+                self.reducer.set_launch_order(order)
         if self.current is not None and not self.current["forward_start_ns"]:
             self.current["forward_start_ns"] = _C.Reducer.now_ns()
 

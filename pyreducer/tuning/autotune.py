@@ -130,6 +130,11 @@ class AutoTuner:
         self.link = None
 
     @property
+    def done(self) -> bool:
+        """The plan is chosen for good."""
+        return self.phase is Phase.DONE
+
+    @property
     def group(self):
         return self.tuning.params.process_group
 

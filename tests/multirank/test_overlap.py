@@ -106,8 +106,9 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         opt = _optimizer(case["opt"], model.parameters())
         if ours:
-            opt = model.overlap_optimizer(opt, max_grad_norm=case.get("clip"),
-                                          hold_back=case.get("hold_back", 0))
+            hold_back = case.get("hold_back", 0)
+            opt = model.overlap_optimizer(opt, max_grad_norm=case.get("clip"), hold_back=hold_back,
+                                          schedule="fifo" if hold_back else "auto")
         scheduler = SCHEDULERS[case["scheduler"]](opt) if "scheduler" in case else None
         return model, opt, scheduler
 
@@ -290,7 +291,8 @@ def launch_order_worker(rank, world_size):
     for _ in range(6):
         layers += [nn.Linear(32, 32), _Jitter(gen)]
     model = DistributedDataParallel(nn.Sequential(*layers), bucket_cap_mb=0.004)
-    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), hold_back=3)
+    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), hold_back=3,
+                                  schedule="fifo")
     for _ in range(6):
         model(torch.randn(4, 32, generator=gen)).sum().backward()
         opt.step()
@@ -342,7 +344,8 @@ def events_worker(rank, world_size):
     model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Tanh(),
                                                   nn.Linear(64, 64), nn.Tanh(),
                                                   nn.Linear(64, 4)), bucket_cap_mb=0.01)
-    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), hold_back=1)
+    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), hold_back=1,
+                                  schedule="fifo")
     gen = torch.Generator().manual_seed(rank)
     for _ in range(5):
         model(torch.randn(8, 64, generator=gen)).sum().backward()

@@ -1,0 +1,201 @@
+"""Overlap schedule: chunk sizes and launch order for an overlapped optimizer, and the step
+time they give (Note [Launch order] in csrc/reducer.h; pyreducer/overlap.py).
+
+Across the step barrier, the next forward reads the first layers' parameters first, but their
+bucket is full last in backward: launched last behind one FIFO of all-reduces, it is reduced
+last, and the forward waits for the whole communication before its first layer (the record
+benchmarks/results/overlap_20261124.md measured exactly this). Chunks and priority fix it:
+
+  - every bucket is split into chunks of about `chunk_bytes`;
+  - the launch order is the one a priority scheduler would issue if it launched a chunk each
+    time the link is idle, choosing among the chunks whose bucket is full the one the next
+    forward reads first (list scheduling on the profile's ready times and the link model).
+    Early in backward only the last layers' chunks are ready and they keep the link busy; when
+    the first layers' bucket fills, at most about one chunk is ahead of it.
+The order is computed once, by rank 0, and installed on every rank: at run time each entry
+launches when its bucket is full and the entry before it has launched, whatever the timing.
+
+The step model of an overlapped step (`predict_ms`), per iteration:
+    forward: for each bucket in the order the forward reads them, its compute segment, then a
+             wait until that bucket's reduction of the previous backward is done, then its
+             update; then the forward's tail;
+    backward: bucket b is full ready_ms[b] after it starts; chunks go on one FIFO channel in
+             the launch order, each entry at max(its bucket full, the previous entry launched),
+             taking link.allreduce_s(chunk bytes);
+    then the gap (step(), zero_grad(), loading the batch) before the next forward.
+Contention (link.contention = k): a chunk sent during backward delays the rest of the backward
+by k x its wire time; one sent after it adds that to the next forward. Iterated until the period
+settles (the channel and the reductions carry over from one iteration to the next).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from pyreducer.tuning.linkmodel import LinkModel
+
+CHUNK_CANDIDATES_BYTES = (None, 8 << 20, 4 << 20, 2 << 20, 1 << 20, 512 << 10, 256 << 10)
+MIN_CHUNK_BYTES = 64 << 10  # smaller chunks are all latency on any link
+ITERATIONS = 8  # simulated iterations; the period is the last one's
+
+
+@dataclass
+class OverlapProfile:
+    """One rank's overlapped iteration, per bucket (launch-index order), times in ms."""
+    ready_ms: list[float]      # bucket full, after backward start
+    size_bytes: list[int]
+    backward_ms: float         # backward start to the end of autograd's compute
+    read_order: list[int]      # buckets in the order the next forward reads them
+    segment_ms: list[float]    # the forward's compute before the read of read_order[k]
+    tail_ms: float             # the forward's compute after its last read
+    update_ms: list[float]     # per bucket: the optimizer's step of its parameters
+    gap_ms: float              # backward end to the next forward's start
+    max_chunks: list[int] | None = None  # per bucket (1: cannot be split); None: no limit
+
+    @staticmethod
+    def from_records(records: list[dict]) -> "OverlapProfile":
+        """Medians over timeline records (pyreducer.timeline) that carry "overlap" events of
+        the forward that followed their backward; raises ValueError if none does."""
+        usable = [r for r in records if _complete_overlap(r)]
+        if not usable:
+            raise ValueError("overlap profile: no recorded iteration has its next forward's "
+                             "events yet (run a few overlapped steps first)")
+        count = len(usable[0]["buckets"])
+        per = [_one_iteration(r, count) for r in usable if len(r["buckets"]) == count]
+        med = statistics.median
+        read_order = per[-1]["read_order"]
+        return OverlapProfile(
+            ready_ms=[med(p["ready_ms"][b] for p in per) for b in range(count)],
+            size_bytes=[b["size_bytes"] for b in usable[0]["buckets"]],
+            backward_ms=med(p["backward_ms"] for p in per),
+            read_order=read_order,
+            segment_ms=[med(p["segment_ms"].get(b, 0.0) for p in per) for b in read_order],
+            tail_ms=med(p["tail_ms"] for p in per),
+            update_ms=[med(p["update_ms"].get(b, 0.0) for p in per) for b in range(count)],
+            gap_ms=med(p["gap_ms"] for p in per))
+
+
+def _complete_overlap(record: dict) -> bool:
+    overlap = record.get("overlap")
+    return bool(overlap and overlap["forward_start_ns"] and overlap["forward_end_ns"]
+                and overlap["updates"])
+
+
+def _one_iteration(record: dict, count: int) -> dict:
+    ms = 1e-6
+    start = record["backward_start_ns"]
+    overlap = record["overlap"]
+    ready = [(b["ready_ns"] - start) * ms if b["ready_ns"] else 0.0 for b in record["buckets"]]
+    updates = sorted(overlap["updates"], key=lambda u: u["read_ns"])
+    read_order = [u["bucket"] for u in updates]
+    read_order += [b for b in range(count) if b not in read_order]  # never read: at the end
+    segment, update, previous_end = {}, {}, overlap["forward_start_ns"]
+    for u in updates:
+        segment[u["bucket"]] = max(0, u["read_ns"] - previous_end) * ms
+        end = max(u["reduced_ns"], u["updated_ns"])
+        update[u["bucket"]] = max(0, u["updated_ns"] - u["reduced_ns"]) * ms if u["updated_ns"] \
+            else 0.0
+        previous_end = max(previous_end, end)
+    return dict(ready_ms=ready, backward_ms=(record["backward_end_ns"] - start) * ms,
+                read_order=read_order, segment_ms=segment, update_ms=update,
+                tail_ms=max(0, overlap["forward_end_ns"] - previous_end) * ms,
+                gap_ms=max(0, overlap["forward_start_ns"] - record["backward_end_ns"]) * ms)
+
+
+@dataclass
+class Schedule:
+    order: list[int]    # buckets, once per chunk (Reducer.set_launch_order)
+    chunks: list[int]   # per bucket
+    chunk_bytes: int | None  # None: whole buckets
+    predicted_ms: float = 0.0
+
+    def describe(self) -> str:
+        size = "whole buckets" if self.chunk_bytes is None else f"{self.chunk_bytes / 2**20:g} MB"
+        return f"chunks of {size}, {len(self.order)} all-reduces"
+
+
+def chunk_counts(profile: OverlapProfile, chunk_bytes: int | None) -> list[int]:
+    """Chunks per bucket for chunks of about `chunk_bytes` (None: one per bucket)."""
+    counts = []
+    for b, size in enumerate(profile.size_bytes):
+        n = 1 if chunk_bytes is None else max(1, math.ceil(size / chunk_bytes))
+        if profile.max_chunks is not None:
+            n = min(n, profile.max_chunks[b])
+        counts.append(n)
+    return counts
+
+
+def priority_order(profile: OverlapProfile, chunks: list[int], link: LinkModel,
+                   ranks: int) -> list[int]:
+    """The launch sequence of a priority scheduler on the profile (see the module doc): each
+    time the channel is idle, the ready chunk whose bucket the next forward reads first."""
+    priority = {b: k for k, b in enumerate(profile.read_order)}
+    left = list(chunks)
+    order, now = [], 0.0
+    while any(left):
+        ready = [b for b, n in enumerate(left) if n and profile.ready_ms[b] <= now]
+        if not ready:
+            now = min(profile.ready_ms[b] for b, n in enumerate(left) if n)
+            continue
+        b = min(ready, key=lambda c: (priority.get(c, len(priority)), c))
+        order.append(b)
+        left[b] -= 1
+        now += link.allreduce_s(profile.size_bytes[b] / chunks[b], ranks) * 1e3
+    return order
+
+
+def predict_ms(profile: OverlapProfile, order: list[int], chunks: list[int], link: LinkModel,
+               ranks: int) -> float:
+    """The overlapped step's period under the step model of the module doc."""
+    count = len(profile.size_bytes)
+    done = [-math.inf] * count  # the previous backward's reductions
+    channel, start, starts, carry_ms = -math.inf, 0.0, [], 0.0
+    for _ in range(ITERATIONS):
+        starts.append(start)
+        t = start
+        for k, b in enumerate(profile.read_order):
+            t = max(t + profile.segment_ms[k], done[b]) + profile.update_ms[b]
+        backward_start = t + profile.tail_ms + carry_ms
+        backward_end = backward_start + profile.backward_ms
+        done, delay, launch, carry_ms = [-math.inf] * count, 0.0, -math.inf, 0.0
+        for b in order:
+            size = profile.size_bytes[b] / chunks[b]
+            launch = max(launch, backward_start + profile.ready_ms[b] + delay)
+            channel = max(channel, launch) + link.allreduce_s(size, ranks) * 1e3
+            done[b] = max(done[b], channel)
+            stolen = link.contention * link.wire_s(size, ranks) * 1e3
+            if launch < backward_end + delay:
+                delay += stolen  # compute of this backward
+            else:
+                carry_ms += stolen  # compute of the next forward
+        start = backward_end + delay + profile.gap_ms
+    return starts[-1] - starts[-2]
+
+
+def fifo_schedule(profile: OverlapProfile) -> Schedule:
+    """torch DDP's order, whole buckets."""
+    count = len(profile.size_bytes)
+    return Schedule(order=list(range(count)), chunks=[1] * count, chunk_bytes=None)
+
+
+def best_schedule(profile: OverlapProfile, link: LinkModel, ranks: int,
+                  candidates=CHUNK_CANDIDATES_BYTES) -> tuple[Schedule, list[Schedule]]:
+    """The schedule predicted fastest among the chunk sizes `candidates` (each with its
+    priority order), and all of them, torch DDP's order first."""
+    fifo = fifo_schedule(profile)
+    fifo.predicted_ms = predict_ms(profile, fifo.order, fifo.chunks, link, ranks)
+    options = [fifo]
+    for chunk_bytes in candidates:
+        if chunk_bytes is not None and chunk_bytes < MIN_CHUNK_BYTES:
+            continue
+        chunks = chunk_counts(profile, chunk_bytes)
+        if any(s.chunks == chunks and s.chunk_bytes is not None for s in options[1:]):
+            continue
+        order = priority_order(profile, chunks, link, ranks)
+        options.append(Schedule(order, chunks, chunk_bytes,
+                                predict_ms(profile, order, chunks, link, ranks)))
+    # fewer all-reduces first among equals: a 1% predicted gain is not worth more launches
+    best = min(options, key=lambda s: (round(s.predicted_ms / max(options[0].predicted_ms,
+                                                                    1e-9), 2), len(s.order)))
+    return best, options

@@ -1,0 +1,222 @@
+"""Chunked all-reduces in a planned launch order (Note [Launch order] in csrc/reducer.h) and the
+overlapped optimizer's planned schedule (pyreducer/tuning/overlap_control.py), on spawned Gloo
+ranks: the same sums as torch DDP (bit for bit at 2 ranks), the same order on every rank
+whatever the timing, and clear errors for what cannot be chunked."""
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+STEPS = 8
+WIDTH = 256
+CAP_MB = 0.3
+CHUNK_BYTES = 64 << 10
+
+
+class Jitter(nn.Module):
+    """Identity whose backward sleeps a random time (different on every rank and step)."""
+
+    def __init__(self, gen):
+        super().__init__()
+        self.gen = gen
+
+    def forward(self, x):
+        if self.gen is None:
+            return x
+        return Sleep.apply(x, float(torch.rand(1, generator=self.gen)) * 0.01)
+
+
+class Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def _model(gen=None):
+    layers = []
+    for _ in range(8):  # 257 KB each: a first bucket of 1 MB, then one layer per bucket
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh(), Jitter(gen)]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, 4))
+
+
+def _force_fine_chunks():
+    """The planner's choice, made deterministic for the test: chunks of 64 KB (4 per layer),
+    in its priority order, whatever the loopback link's timing predicts."""
+    from pyreducer.tuning import schedule
+
+    def finest(profile, link, ranks, candidates=None):
+        chunks = schedule.chunk_counts(profile, CHUNK_BYTES)
+        order = schedule.priority_order(profile, chunks, link, ranks)
+        fifo = schedule.fifo_schedule(profile)
+        return schedule.Schedule(order, chunks, CHUNK_BYTES, 0.0), [fifo]
+
+    schedule.best_schedule = finest
+
+
+def _train(model, opt, gen, steps=STEPS):
+    for _ in range(steps):
+        model(torch.randn(8, WIDTH, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def chunked_barrier_worker(rank, world_size):
+    """No overlapped optimizer: a chunked, reordered launch sequence set on the Reducer by hand,
+    against torch DDP with the same buckets."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(0)
+    base = _model()
+    out = {}
+    for name, cls in (("torch", TorchDDP), ("ours", DistributedDataParallel)):
+        model = cls(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+        gen = torch.Generator().manual_seed(rank)
+        _train(model, opt, gen, steps=2)  # the rebuild happens at the second forward
+        if name == "ours":
+            count = len(model.bucket_plan())
+            chunks = [1 + b % 4 for b in range(count)]
+            order = [b for b in reversed(range(count)) for _ in range(chunks[b])]
+            order = order[1:] + order[:1]  # not grouped by bucket at the ends
+            model.reducer.set_launch_order(order, chunks)
+            out["set"] = (model.reducer.launch_order(), model.reducer.launch_chunks())
+        _train(model, opt, gen)
+        out[name] = [p.detach().clone() for p in model.parameters()]
+    out["records"] = model.timeline(2)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_chunked_launches_give_torch_ddps_sums(ranks_once, world_size):
+    results = ranks_once(chunked_barrier_worker, world_size, ())
+    for r in results:
+        order, chunks = r["set"]
+        assert max(chunks) == 4 and len(order) == sum(chunks)
+        for ours, theirs in zip(r["ours"], r["torch"]):
+            if world_size == 2:  # a + b: the same bits whatever the chunk
+                assert torch.equal(ours, theirs)
+            else:  # the ring's summation order may follow the chunk's size
+                torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+        first = []  # buckets by first appearance in the sequence: their launch order
+        for b in order:
+            if b not in first:
+                first.append(b)
+        for rec in r["records"]:
+            launched = sorted(range(len(rec["buckets"])),
+                              key=lambda b: rec["buckets"][b]["launch_ns"])
+            assert launched == first
+            for b in rec["buckets"]:  # done = the last chunk's
+                assert b["launch_ns"] <= b["done_ns"]
+
+
+def auto_worker(rank, world_size, jitter):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    _force_fine_chunks()
+    torch.manual_seed(0)
+    base = _model()
+    out = {}
+    for name in ("torch", "ours"):
+        gen = torch.Generator().manual_seed(100 + rank)
+        module = copy.deepcopy(base)
+        if jitter:  # the same parameters, a backward slowed at random points on every rank
+            module = _model(torch.Generator().manual_seed(rank))
+            module.load_state_dict(base.state_dict())
+        cls = TorchDDP if name == "torch" else DistributedDataParallel
+        model = cls(module, bucket_cap_mb=CAP_MB)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+        if name == "ours":
+            opt = model.overlap_optimizer(opt)
+        _train(model, opt, gen, steps=12)
+        if name == "ours":
+            model.synchronize()
+            out["log"] = opt.schedule_log
+            out["set"] = (model.reducer.launch_order(), model.reducer.launch_chunks())
+            out["records"] = model.timeline(3)
+        out[name] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("world_size,jitter", [(2, False), (3, True)])
+def test_planned_schedule_is_installed_alike_and_keeps_results(ranks_once, world_size, jitter):
+    results = ranks_once(auto_worker, world_size, (jitter,))
+    order, chunks = results[0]["set"]
+    assert max(chunks) > 1 and sorted(set(order)) == list(range(len(chunks)))
+    for r in results:
+        assert len(r["log"]) == 1 and r["log"][0]["order"] == order  # rank 0's, everywhere
+        assert r["set"] == (order, chunks)
+        first = []
+        for b in order:
+            if b not in first:
+                first.append(b)
+        for rec in r["records"]:  # recorded after the schedule was installed
+            launched = sorted(range(len(rec["buckets"])),
+                              key=lambda b: rec["buckets"][b]["launch_ns"])
+            assert launched == first, (launched, first)
+        for ours, theirs in zip(r["ours"], r["torch"]):
+            if world_size == 2:
+                assert torch.equal(ours, theirs)
+            else:
+                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert order[0] == 0  # the last layers' bucket, full first, starts the backward
+
+
+def errors_worker(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from pyreducer import DistributedDataParallel
+
+    model = DistributedDataParallel(_model(), bucket_cap_mb=CAP_MB)
+    count = len(model.bucket_plan())
+    messages = []
+    for order, chunks in (([0] * (count + 1), [1] * count),
+                          (list(range(count)), [0] + [1] * (count - 1)),
+                          (list(range(count)), [1] * (count + 1)),
+                          (list(range(count)) + [0], [2] + [1] * (count - 1))):
+        try:
+            model.reducer.set_launch_order(order, chunks)
+            messages.append(None)
+        except ValueError as error:
+            messages.append(str(error))
+    model.reducer.set_launch_order(list(range(count)) + [0], [2] + [1] * (count - 1))
+    try:
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+        messages.append(None)
+    except RuntimeError as error:
+        messages.append(str(error))
+    hooked = DistributedDataParallel(_model(), bucket_cap_mb=CAP_MB)
+    hooked.register_comm_hook(None, default_hooks.allreduce_hook)
+    try:
+        hooked.reducer.set_launch_order([0] * 2 + list(range(1, count)), [2] + [1] * (count - 1))
+        messages.append(None)
+    except ValueError as error:
+        messages.append(str(error))
+    try:
+        model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), hold_back=1)
+        messages.append(None)
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
+
+
+def test_launch_sequences_that_cannot_run_are_refused_by_name(ranks_once):
+    messages = ranks_once(errors_worker, 2, ())[0]
+    assert "bucket 0 must appear once per chunk, 1 time(s), found" in messages[0]
+    assert "bucket 0 can be split into 1 to" in messages[1] and "got 0" in messages[1]
+    assert "expected a chunk count for each of the" in messages[2]
+    assert messages[3] is None  # bucket 0 in 2 chunks, launched first and last
+    assert "communication hook sees whole buckets" in messages[4] and "bucket 0" in messages[4]
+    assert "a communication hook sees whole buckets" in messages[5]
+    assert "hold_back applies to schedule='fifo'" in messages[6]

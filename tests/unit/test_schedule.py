@@ -1,0 +1,102 @@
+"""The overlap schedule model (pyreducer/tuning/schedule.py): chunk counts, the priority launch
+order, and the overlapped step's predicted period on hand-computable profiles."""
+import math
+
+import pytest
+
+from pyreducer.tuning.linkmodel import LinkModel
+from pyreducer.tuning.schedule import (OverlapProfile, best_schedule, chunk_counts, fifo_schedule,
+                                       predict_ms, priority_order)
+
+MB = 1 << 20
+# 1 ms per MB, no latency, 2 ranks (ring factor 1): a bucket of s MB takes s ms
+LINK = LinkModel(latency_s=0.0, bandwidth_bytes_per_s=MB * 1e3)
+
+
+def three_buckets(**changes) -> OverlapProfile:
+    """Bucket 0 (last layers) full at 1 ms, 1 at 2 ms, 2 (first layers) at 3 ms; backward
+    3 ms; the forward reads 2, 1, 0, each after 1 ms of compute; no updates, no gap."""
+    fields = dict(ready_ms=[1.0, 2.0, 3.0], size_bytes=[4 * MB, 4 * MB, 4 * MB], backward_ms=3.0,
+                  read_order=[2, 1, 0], segment_ms=[1.0, 1.0, 1.0], tail_ms=0.0,
+                  update_ms=[0.0, 0.0, 0.0], gap_ms=0.0)
+    fields.update(changes)
+    return OverlapProfile(**fields)
+
+
+def test_chunk_counts_round_up_and_respect_limits():
+    profile = three_buckets(size_bytes=[4 * MB, 1 * MB + 1, 10], max_chunks=[100, 100, 1])
+    assert chunk_counts(profile, None) == [1, 1, 1]
+    assert chunk_counts(profile, MB) == [4, 2, 1]
+
+
+def test_priority_order_serves_the_first_read_bucket_as_soon_as_it_is_full():
+    profile = three_buckets()
+    chunks = chunk_counts(profile, MB)  # 4 chunks of 1 ms each
+    order = priority_order(profile, chunks, LINK, 2)
+    # t=1: bucket 0's chunks start; at t=2 bucket 1 is full and read before 0: it goes next;
+    # at t=3 bucket 2 (read first) is full: its four chunks, then the rest of 1, then of 0
+    assert order == [0, 1, 2, 2, 2, 2, 1, 1, 1, 0, 0, 0]
+    assert sorted(order) == sorted(b for b, n in enumerate(chunks) for _ in range(n))
+
+
+def test_fifo_prediction_by_hand():
+    profile = three_buckets()
+    fifo = fifo_schedule(profile)
+    # Steady state. Backward from B: buckets done at B+5, B+9, B+13 (one 4 ms channel each).
+    # Next forward starts at B+3: reads bucket 2 at B+4, waits until B+13, then 1 (done) at
+    # B+14, 0 at B+15; the next backward starts at B+15: the period is 15 ms.
+    assert predict_ms(profile, fifo.order, fifo.chunks, LINK, 2) == pytest.approx(15.0)
+
+
+def test_priority_chunks_shorten_the_period():
+    profile = three_buckets()
+    chunks = chunk_counts(profile, MB)
+    order = priority_order(profile, chunks, LINK, 2)
+    # channel: 0@1-2, 1@2-3, 2: 3-7 (done B+7), 1: 7-10 (B+10), 0: 10-13 (B+13); forward from
+    # B+3: read 2 at B+4 -> B+7, +1 = B+8 read 1 -> B+10, +1 = B+11 read 0 -> B+13
+    period = predict_ms(profile, order, chunks, LINK, 2)
+    assert period == pytest.approx(13.0)
+    best, options = best_schedule(profile, LINK, 2, candidates=(None, MB))
+    assert options[0].chunks == [1, 1, 1] and best.chunk_bytes == MB
+    assert best.predicted_ms == pytest.approx(13.0) and best.predicted_ms < options[0].predicted_ms
+
+
+def test_communication_bound_period_is_about_the_channel():
+    profile = three_buckets(size_bytes=[40 * MB] * 3)  # 120 ms of communication per step
+    for chunk in (None, 4 * MB):
+        chunks = chunk_counts(profile, chunk)
+        order = priority_order(profile, chunks, LINK, 2)
+        # at least the channel's 120 ms; at most that plus the 6 ms of compute
+        assert 120.0 <= predict_ms(profile, order, chunks, LINK, 2) <= 126.0
+
+
+def test_latency_makes_tiny_chunks_lose():
+    slow = LinkModel(latency_s=2e-3, bandwidth_bytes_per_s=MB * 1e3)
+    best, options = best_schedule(three_buckets(), slow, 2, candidates=(None, MB // 4))
+    by_chunk = {o.chunk_bytes: o.predicted_ms for o in options}
+    assert by_chunk[MB // 4] > by_chunk[None] and best.chunk_bytes is None
+
+
+def test_contention_charges_compute():
+    profile = three_buckets()
+    fifo = fifo_schedule(profile)
+    free = predict_ms(profile, fifo.order, fifo.chunks, LINK, 2)
+    loaded = predict_ms(profile, fifo.order, fifo.chunks,
+                        LinkModel(0.0, MB * 1e3, contention=0.5), 2)
+    assert loaded > free and math.isfinite(loaded)
+
+
+def test_profile_from_records():
+    ms = 1_000_000
+    record = dict(
+        backward_start_ns=100 * ms, backward_end_ns=110 * ms, plan_version=1,
+        buckets=[dict(size_bytes=10, ready_ns=104 * ms), dict(size_bytes=20, ready_ns=109 * ms)],
+        overlap=dict(forward_start_ns=112 * ms, forward_end_ns=130 * ms, updates=[
+            dict(bucket=1, read_ns=115 * ms, reduced_ns=118 * ms, updated_ns=119 * ms),
+            dict(bucket=0, read_ns=125 * ms, reduced_ns=125 * ms, updated_ns=127 * ms)]))
+    profile = OverlapProfile.from_records([record, dict(record, overlap=None)])
+    assert profile.ready_ms == [4.0, 9.0] and profile.backward_ms == 10.0
+    assert profile.read_order == [1, 0] and profile.segment_ms == [3.0, 6.0]
+    assert profile.update_ms == [2.0, 1.0] and profile.tail_ms == 3.0 and profile.gap_ms == 2.0
+    with pytest.raises(ValueError, match="next forward"):
+        OverlapProfile.from_records([dict(record, overlap=None)])

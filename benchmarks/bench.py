@@ -9,8 +9,11 @@ after a check that the communicating ones end with the same parameters. Variants
   flat       after backward, one flat all-reduce of all gradients (no overlap; Apex delay_allreduce)
   torch      torch DDP at the same bucket cap;  pyreducer  pyreducer at that cap
   auto       pyreducer with bucket_cap_mb="auto" (online autotune, 40 warm-up steps)
-  overlapped pyreducer at that cap with its overlapped optimizer (model.overlap_optimizer;
-             --hold-back K: the first layers' K buckets first); time it with --loop-steps N
+  overlapped pyreducer at that cap with its overlapped optimizer (model.overlap_optimizer,
+             --schedule auto: chunks in a planned order; fifo: torch DDP's order, with
+             --hold-back K the first layers' K buckets first); time it with --loop-steps N
+  overlap    pyreducer with its own schedule: autotuned caps, then the overlapped optimizer's
+             planned schedule (50 warm-up steps)
 With --loop-steps N every variant is timed in blocks of N steps with no barrier inside (the
 per-step barrier would wait behind the overlapped variant's in-flight buckets and erase the
 overlap being measured); blocks alternate like steps.
@@ -46,7 +49,7 @@ from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable, check_avail
 sys.path.insert(0, HERE)
 from tables import plot_sweep  # noqa: E402
 
-ALL = "compute,per_param,flat,torch,pyreducer,auto,overlapped"
+ALL = "compute,per_param,flat,torch,pyreducer,auto,overlapped,overlap"
 
 
 def run_one(model, link, nproc, variants, caps, args) -> dict:
@@ -60,7 +63,8 @@ def run_one(model, link, nproc, variants, caps, args) -> dict:
         if args.interleave:
             argv += ["--interleave"]
         if args.loop_steps:
-            argv += ["--loop-steps", str(args.loop_steps), "--hold-back", str(args.hold_back)]
+            argv += ["--loop-steps", str(args.loop_steps), "--hold-back", str(args.hold_back),
+                     "--schedule", args.schedule]
         start = time.monotonic()
         print(f"== {model}, {nproc} hosts, link {link}, caps {caps} MB", flush=True)
         with EmulatedCluster(nproc, link, port=29511 + os.getpid() % 1000) as cluster:
@@ -110,11 +114,33 @@ def table(result) -> str:
             lines.append(f"    bound = forward {s['forward']:.1f} + max(backward {s['backward']:.1f},"
                          f" comm {result['comm_only_ms']:.1f}) + step {s['step']:.1f} = "
                          f"{bound:.1f} ms")
+        if "floor_ms" in entry:
+            compute = s["forward"] + s["backward"] + s["step"]
+            lines.append(f"    floor without the barrier = max(compute {compute:.1f}, comm "
+                         f"{result['comm_only_ms']:.1f}) = {entry['floor_ms']:.1f} ms")
+        for variant in ("overlapped", "overlap"):
+            for choice in entry.get(f"{variant}_schedule", []):
+                measured = entry[variant]["median_ms"]
+                lines.append(f"    {variant} schedule: {choice['describe']}; predicted "
+                             f"{choice['predicted_ms']:.1f} ms (torch DDP's order "
+                             f"{choice['fifo_predicted_ms']:.1f}), measured {measured:.1f} ms "
+                             f"({measured / choice['predicted_ms']:.2f} of predicted)")
         if "backward_under_comm_ms" in entry:
             lines.append(f"    backward while a flat all-reduce runs: "
                          f"{entry['backward_under_comm_ms']:.1f} ms; bound with it: "
                          f"{entry['contended_bound_ms']:.1f} ms")
     return "\n".join(lines)
+
+
+def draw_overlap_gantts(result, path) -> None:
+    from pyreducer.observe import plot
+
+    for cap, entry in result["results"].items():
+        for variant in ("overlapped", "overlap"):
+            if entry.get(f"{variant}_timeline"):
+                stem = path[:-4] if path.endswith(".png") else path
+                out = f"{stem}_{variant}_{result['model']}_{result['link']}_{cap}.png"
+                print("wrote", plot.overlap_gantt(entry[f"{variant}_timeline"], out), flush=True)
 
 
 def environment(args):
@@ -125,7 +151,7 @@ def environment(args):
                 threads_per_rank=1, date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 steps=args.steps, rounds=args.rounds, warmup=args.warmup,
                 interleave=args.interleave, loop_steps=args.loop_steps,
-                hold_back=args.hold_back)
+                hold_back=args.hold_back, schedule=args.schedule)
 
 
 def main(argv=None):
@@ -148,6 +174,12 @@ def main(argv=None):
                         help="time blocks of N steps without a barrier inside (for overlap)")
     parser.add_argument("--hold-back", type=int, default=0,
                         help="the overlapped variant's hold_back")
+    parser.add_argument("--schedule", default="auto",
+                        help="the overlapped variant's schedule (overlap_optimizer(schedule=)): "
+                             "auto, fifo, or a chunk size in MB")
+    parser.add_argument("--overlap-gantt", metavar="PNG",
+                        help="two overlapped iterations of rank 0 (per model, link and cap: "
+                             "the name gets _<model>_<link>_<cap> before .png)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json")
     parser.add_argument("--plot", help="PNG of step time vs bucket cap (sweeps)")
@@ -164,6 +196,8 @@ def main(argv=None):
         for link in args.link.split(","):
             result = run_one(model, link, args.nproc, variants, args.bucket_cap_mb, args)
             print(table(result), flush=True)
+            if args.overlap_gantt:
+                draw_overlap_gantts(result, args.overlap_gantt)
             results.append(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -26,9 +26,11 @@ from pyreducer.testing import models  # noqa: E402
 from pyreducer.tools.compare import paired_ratio, summarize  # noqa: E402
 from pyreducer.sync import slowest  # noqa: E402
 
-VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overlapped")
+VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overlapped",
+            "overlap")
+OVERLAPPED = ("overlapped", "overlap")  # with the overlapped optimizer
 AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
-OVERLAP_WARMUP = 10  # the overlapped optimizer's schedule is planned after 6 (overlap_control)
+OVERLAP_WARMUP = 10  # the overlapped optimizer plans its schedule after 6 (overlap_control)
 
 
 class Plain:
@@ -67,7 +69,7 @@ def build(variant, base, cap):
     if variant == "torch":
         from torch.nn.parallel import DistributedDataParallel as TorchDDP
         return TorchDDP(module, bucket_cap_mb=cap)
-    if variant == "auto":
+    if variant in ("auto", "overlap"):  # overlap: autotuned caps, then a planned schedule
         return DistributedDataParallel(module, bucket_cap_mb="auto")
     return DistributedDataParallel(module, bucket_cap_mb=cap)  # pyreducer, overlapped
 
@@ -77,8 +79,10 @@ def optimizer(variant, model, hold_back=0, schedule="auto"):
     with its own planned schedule ("auto"), or torch DDP's order ("fifo", implied by
     hold_back)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    if variant != "overlapped":
+    if variant not in OVERLAPPED:
         return opt
+    if variant == "overlap":  # its own schedule, always
+        return model.overlap_optimizer(opt)
     return model.overlap_optimizer(opt, hold_back=hold_back,
                                    schedule="fifo" if hold_back else schedule)
 
@@ -101,6 +105,11 @@ def step(model, spec, opt, batch):
     opt.step()
     t3 = time.perf_counter()
     return t1 - t0, t2 - t1, t3 - t2
+
+
+def schedule_arg(text: str):
+    """overlap_optimizer's schedule from the command line: auto, fifo or a chunk size (MB)."""
+    return text if text in ("auto", "fifo") else float(text)
 
 
 def parity(spec, base, variants, cap, batch_size, hold_back, schedule, steps=3):
@@ -189,8 +198,9 @@ def main():
                              "overlapped optimizer's overlap); 0: step by step")
     parser.add_argument("--hold-back", type=int, default=0,
                         help="the overlapped variant's hold_back (first layers' buckets first)")
-    parser.add_argument("--schedule", default="auto", choices=("auto", "fifo"),
-                        help="the overlapped variant's schedule (overlap_optimizer(schedule=))")
+    parser.add_argument("--schedule", default="auto", type=schedule_arg,
+                        help="the overlapped variant's schedule (overlap_optimizer(schedule=)): "
+                             "auto, fifo, or a chunk size in MB")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -224,7 +234,8 @@ def main():
         times = {v: [] for v in variants}
         split = []  # compute-only forward/backward/step
         for v in variants:
-            warmup = {"auto": AUTO_WARMUP, "overlapped": max(args.warmup, OVERLAP_WARMUP)}
+            warmup = {"auto": AUTO_WARMUP, "overlapped": max(args.warmup, OVERLAP_WARMUP),
+                      "overlap": AUTO_WARMUP + OVERLAP_WARMUP}
             for _ in range(warmup.get(v, args.warmup)):
                 step(built[v], spec, opts[v], spec.batch(gens[v], batch_size))
         def timed_step(v):
@@ -277,14 +288,16 @@ def main():
             entry["contended_bound_ms"] = fwd + max(contended, comm_ms) + opt_step
         if "pyreducer" in built:
             entry["buckets"] = len(built["pyreducer"].bucket_plan())
-            entry["overlap"] = built["pyreducer"].overlap_stats(last=5)["mean"]
+            entry["pyreducer_stats"] = built["pyreducer"].overlap_stats(last=5)["mean"]
             fwd_ms, opt_ms = (entry["compute_split_ms"]["forward"],
                               entry["compute_split_ms"]["step"]) if split else (0.0, 0.0)
             entry["profile"] = vars(built["pyreducer"].profile(fwd_ms, opt_ms, last=5))
-        if "overlapped" in built:
-            entry["overlapped_stats"] = built["overlapped"].overlap_stats(last=5)["mean"]
-            entry["overlapped_buckets"] = len(built["overlapped"].bucket_plan())
-            entry["overlapped_schedule"] = opts["overlapped"].schedule_log  # what was planned
+        for v in OVERLAPPED:
+            if v in built:
+                entry[f"{v}_stats"] = built[v].overlap_stats(last=5)["mean"]
+                entry[f"{v}_buckets"] = len(built[v].bucket_plan())
+                entry[f"{v}_schedule"] = opts[v].schedule_log  # what was planned
+                entry[f"{v}_timeline"] = built[v].timeline(4)  # rank 0's
         if "auto" in built:
             entry["auto_log"] = built["auto"].autotune_log
             entry["auto_buckets"] = len(built["auto"].bucket_plan())

@@ -88,7 +88,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
             of pyreducer/tuning/schedule.py from this run's timeline and a link probe (on every
             rank alike; see pyreducer/tuning/overlap_control.py; its schedule_log says what
             was chosen). "fifo": whole buckets in torch DDP's order (with 3 or more
-            ranks, the only schedule whose all-reduce sums are torch DDP's bit for bit).
+            ranks, the only schedule whose all-reduce sums are torch DDP's bit for bit). A
+            number: chunks of that many MB, in the planned priority order (planned as "auto"
+            is, without choosing the size).
         hold_back: with schedule="fifo": how many of the last buckets (the first layers', full
             last in backward) are launched first-layers-first right after the backward, so
             that the next forward's first reads complete first (Note [Launch order] in
@@ -102,9 +104,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
                  tuning=None, autotune=None):
         if hold_back < 0:
             raise ValueError(f"overlap_optimizer: hold_back must be >= 0, got {hold_back}")
-        if schedule not in ("auto", "fifo"):
-            raise ValueError(f"overlap_optimizer: schedule must be 'auto' or 'fifo', got "
-                             f"{schedule!r}")
+        fixed_mb = isinstance(schedule, (int, float)) and not isinstance(schedule, bool)
+        if not (schedule in ("auto", "fifo") or (fixed_mb and schedule > 0)):
+            raise ValueError(f"overlap_optimizer: schedule must be 'auto', 'fifo' or a chunk "
+                             f"size in MB > 0, got {schedule!r}")
         if hold_back and schedule != "fifo":
             raise ValueError("overlap_optimizer: hold_back applies to schedule='fifo' (the "
                              "'auto' schedule chooses the order itself)")
@@ -120,8 +123,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self.optimizer, self.reducer, self.params = optimizer, reducer, params
         self.max_grad_norm, self.hold_back = max_grad_norm, hold_back
-        self.tuner = ScheduleTuner(tuning, self.events, autotune, settle=self.synchronize) \
-            if schedule == "auto" else None
+        self.tuner = None if schedule == "fifo" else ScheduleTuner(
+            tuning, self.events, autotune, settle=self.synchronize,
+            chunk_bytes=int(schedule * 2**20) if fixed_mb else None)
         # Buckets whose parameters wear the pending class: reduction in flight, and (once
         # step() was called: self.stepped) their update too.
         self.pending: dict[int, list[torch.Tensor]] = {}

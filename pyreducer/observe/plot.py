@@ -3,6 +3,10 @@ left as it is).
 
     gantt(timelines, "gantt.png")           one iteration, a row per rank: backward compute vs
                                             each bucket's all-reduce, ready markers
+    overlap_gantt(records, "overlap_gantt.png")  two consecutive iterations of one rank with an
+                                            overlapped optimizer: backward, the next forward
+                                            (its waits and updates), and each bucket's
+                                            all-reduce of each iteration
     exposed_vs_hidden(timelines, "bars.png") per bucket, how much of its all-reduce ran during
                                             backward (hidden) and after it (exposed), mean over
                                             the recorded iterations of rank 0
@@ -86,4 +90,52 @@ def exposed_vs_hidden(timelines: list[list[dict]], path) -> str:
     ax.set_ylabel("ms in flight per iteration (mean)")
     ax.set_title(f"rank 0, {len(records)} iterations")
     ax.legend()
+    return save(fig, path)
+
+
+def overlap_gantt(records: list[dict], path) -> str:
+    """Two consecutive iterations of one rank (the last two whose next forward is recorded):
+    iteration i's all-reduces running under the forward of i+1 are visible side by side."""
+    done = [r for r in records if (r.get("overlap") or {}).get("forward_end_ns")]
+    if len(done) < 2:
+        raise ValueError("overlap_gantt needs two consecutive recorded iterations with an "
+                         f"overlapped optimizer's events, got {len(done)}")
+    pair = done[-2:]
+    origin = pair[0]["backward_start_ns"]
+    count = max(len(r["buckets"]) for r in pair)
+    fig = new_figure(12, 0.32 * (count + 2) + 1.8)
+    ax = fig.subplots()
+
+    def ms(ns):
+        return (ns - origin) / 1e6
+
+    shown = set()
+
+    def bar(row, start_ns, end_ns, colour, label, height=0.7):
+        ax.barh(row, ms(end_ns) - ms(start_ns), left=ms(start_ns), color=colour, height=height,
+                label=None if label in shown else label)
+        shown.add(label)
+
+    for r, colour in zip(pair, ("tab:orange", "tab:purple")):
+        bar(0, r["backward_start_ns"], r["backward_end_ns"], "tab:blue", "backward")
+        overlap = r["overlap"]
+        bar(0, overlap["forward_start_ns"], overlap["forward_end_ns"], "tab:green",
+            "next forward")
+        for u in overlap["updates"]:
+            bar(1, u["read_ns"], u["reduced_ns"], "tab:red", "forward waits")
+            if u["updated_ns"]:
+                bar(1, u["reduced_ns"], u["updated_ns"], "tab:olive", "updates")
+        for b in r["buckets"]:
+            if b["launch_ns"] and b["done_ns"]:
+                bar(2 + b["index"], b["launch_ns"], b["done_ns"], colour,
+                    f"all-reduces of iteration {r['iteration']}", height=0.6)
+            ax.plot([ms(b["ready_ns"])], [2 + b["index"]], marker="|", color="black",
+                    markersize=9)
+    labels = ["compute", "waits, updates"] + [f"bucket {b}" for b in range(count)]
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since iteration %d's backward start" % pair[0]["iteration"])
+    ax.set_title("overlapped optimizer: two iterations (| = bucket full; a bucket's bar spans "
+                 "its first chunk's launch to its last chunk's completion)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save(fig, path)

@@ -27,9 +27,10 @@ class ScheduleTuner:
     """schedule="auto" of one OverlapOptimizer."""
 
     def __init__(self, tuning, events, autotune=None, settle=None,
-                 warmup: int = WARMUP_ITERATIONS):
+                 warmup: int = WARMUP_ITERATIONS, chunk_bytes: int | None = None):
         self.tuning, self.events, self.autotune = tuning, events, autotune
         self.settle = settle  # completes what is in flight: the probe must not wait behind it
+        self.chunk_bytes = chunk_bytes  # fixed by the user; None: chosen by the model
         self.warmup = warmup
         self.link = None
         self.planned_for = None   # the bucket plan the installed schedule was made for
@@ -82,15 +83,30 @@ class ScheduleTuner:
             logger.warning("overlap schedule not planned: %s", error)
             return None
         profile.max_chunks = self.max_chunks()
-        best, options = schedule_model.best_schedule(profile, self.link, params.world_size)
+        lanes = self.lanes()
+        if self.chunk_bytes is None:
+            best, options = schedule_model.best_schedule(profile, self.link, params.world_size,
+                                                         lanes=lanes)
+        else:  # the user's size, in the planned order (fifo predicted alongside, as a reference)
+            options = schedule_model.best_schedule(profile, self.link, params.world_size,
+                                                   candidates=(self.chunk_bytes,), lanes=lanes)[1]
+            best = options[-1]
         return dict(order=best.order, chunks=best.chunks, chunk_bytes=best.chunk_bytes,
                     describe=best.describe(), predicted_ms=best.predicted_ms,
                     fifo_predicted_ms=options[0].predicted_ms,
                     candidates=[dict(chunk_bytes=o.chunk_bytes, all_reduces=len(o.order),
                                      predicted_ms=o.predicted_ms) for o in options],
+                    lanes=lanes,
                     link=dict(latency_s=self.link.latency_s,
                               bandwidth_bytes_per_s=self.link.bandwidth_bytes_per_s,
                               contention=self.link.contention))
+
+    def lanes(self) -> int:
+        """All-reduces the process group runs at once: Gloo's worker threads (2 unless the
+        group was made with other options), one for NCCL (one stream)."""
+        import torch.distributed as dist
+
+        return 2 if dist.get_backend(self.tuning.params.process_group) == "gloo" else 1
 
     def max_chunks(self) -> list[int]:
         """Per bucket, the most chunks it may be cut into (1: sparse, or a communication hook)."""

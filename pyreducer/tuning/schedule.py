@@ -19,9 +19,11 @@ The step model of an overlapped step (`predict_ms`), per iteration:
     forward: for each bucket in the order the forward reads them, its compute segment, then a
              wait until that bucket's reduction of the previous backward is done, then its
              update; then the forward's tail;
-    backward: bucket b is full ready_ms[b] after it starts; chunks go on one FIFO channel in
-             the launch order, each entry at max(its bucket full, the previous entry launched),
-             taking link.allreduce_s(chunk bytes);
+    backward: bucket b is full ready_ms[b] after it starts; chunks enter the channel in the
+             launch order, each entry at max(its bucket full, the previous entry launched); the
+             channel runs at most `lanes` all-reduces at once (Gloo: 2, its worker threads), each
+             taking the link's latency, then its bytes at the bandwidth shared with the others
+             on the wire (channel_done_ms);
     then the gap (step(), zero_grad(), loading the batch) before the next forward.
 Contention (link.contention = k): a chunk sent during backward delays the rest of the backward
 by k x its wire time; one sent after it adds that to the next forward. Iterated until the period
@@ -36,7 +38,6 @@ from dataclasses import dataclass
 from pyreducer.tuning.linkmodel import LinkModel
 
 CHUNK_CANDIDATES_BYTES = (None, 8 << 20, 4 << 20, 2 << 20, 1 << 20, 512 << 10, 256 << 10)
-MIN_CHUNK_BYTES = 64 << 10  # smaller chunks are all latency on any link
 ITERATIONS = 8  # simulated iterations; the period is the last one's
 
 
@@ -145,30 +146,70 @@ def priority_order(profile: OverlapProfile, chunks: list[int], link: LinkModel,
     return order
 
 
+def channel_done_ms(launch_ms: list[float], wire_ms: list[float], latency_ms: float,
+                    lanes: int) -> list[float]:
+    """Completion times of all-reduces entering the channel in list order at `launch_ms`: at most
+    `lanes` run at once (Gloo runs 2 by default, ProcessGroupGloo's worker threads; NCCL one per
+    stream), each spends `latency_ms` without using the wire, then its `wire_ms` of bytes,
+    sharing the link's bandwidth equally with the others on the wire."""
+    done = [0.0] * len(launch_ms)
+    active: list[list] = []  # [index, latency left, wire left]
+    t, admitted = -math.inf, 0
+    while admitted < len(launch_ms) or active:
+        while admitted < len(launch_ms) and len(active) < lanes and launch_ms[admitted] <= t:
+            active.append([admitted, latency_ms, wire_ms[admitted]])
+            admitted += 1
+        if not active:
+            t = launch_ms[admitted]
+            continue
+        on_wire = sum(1 for a in active if a[1] <= 0)
+        step = min((a[1] if a[1] > 0 else a[2] * on_wire) for a in active)
+        if admitted < len(launch_ms) and len(active) < lanes:
+            step = min(step, launch_ms[admitted] - t)
+        t += step
+        for a in active:
+            if a[1] > 0:
+                a[1] -= step
+            else:
+                a[2] -= step / on_wire
+        for a in [a for a in active if a[1] <= 1e-12 and a[2] <= 1e-12]:
+            done[a[0]] = t
+            active.remove(a)
+        for a in active:
+            a[1] = 0.0 if a[1] <= 1e-12 else a[1]
+    return done
+
+
 def predict_ms(profile: OverlapProfile, order: list[int], chunks: list[int], link: LinkModel,
-               ranks: int) -> float:
-    """The overlapped step's period under the step model of the module doc."""
+               ranks: int, lanes: int = 1) -> float:
+    """The overlapped step's period under the step model of the module doc, on a channel of
+    `lanes` (channel_done_ms)."""
     count = len(profile.size_bytes)
     done = [-math.inf] * count  # the previous backward's reductions
-    channel, start, starts, carry_ms = -math.inf, 0.0, [], 0.0
+    start, starts, carry_ms = 0.0, [], 0.0
+    latency_ms = link.latency_s * 1e3 if ranks > 1 else 0.0
     for _ in range(ITERATIONS):
         starts.append(start)
         t = start
         for k, b in enumerate(profile.read_order):
             t = max(t + profile.segment_ms[k], done[b]) + profile.update_ms[b]
-        backward_start = t + profile.tail_ms + carry_ms
+        backward_start = t + profile.tail_ms + carry_ms  # every reduction is complete here
         backward_end = backward_start + profile.backward_ms
-        done, delay, launch, carry_ms = [-math.inf] * count, 0.0, -math.inf, 0.0
+        delay, launch, carry_ms = 0.0, -math.inf, 0.0
+        launches, wires = [], []
         for b in order:
             size = profile.size_bytes[b] / chunks[b]
             launch = max(launch, backward_start + profile.ready_ms[b] + delay)
-            channel = max(channel, launch) + link.allreduce_s(size, ranks) * 1e3
-            done[b] = max(done[b], channel)
-            stolen = link.contention * link.wire_s(size, ranks) * 1e3
+            launches.append(launch)
+            wires.append(link.wire_s(size, ranks) * 1e3)
+            stolen = link.contention * wires[-1]
             if launch < backward_end + delay:
                 delay += stolen  # compute of this backward
             else:
                 carry_ms += stolen  # compute of the next forward
+        done = [-math.inf] * count
+        for b, finished in zip(order, channel_done_ms(launches, wires, latency_ms, lanes)):
+            done[b] = max(done[b], finished)
         start = backward_end + delay + profile.gap_ms
     return starts[-1] - starts[-2]
 
@@ -180,21 +221,20 @@ def fifo_schedule(profile: OverlapProfile) -> Schedule:
 
 
 def best_schedule(profile: OverlapProfile, link: LinkModel, ranks: int,
-                  candidates=CHUNK_CANDIDATES_BYTES) -> tuple[Schedule, list[Schedule]]:
+                  candidates=CHUNK_CANDIDATES_BYTES,
+                  lanes: int = 1) -> tuple[Schedule, list[Schedule]]:
     """The schedule predicted fastest among the chunk sizes `candidates` (each with its
-    priority order), and all of them, torch DDP's order first."""
+    priority order) on a channel of `lanes`, and all of them, torch DDP's order first."""
     fifo = fifo_schedule(profile)
-    fifo.predicted_ms = predict_ms(profile, fifo.order, fifo.chunks, link, ranks)
+    fifo.predicted_ms = predict_ms(profile, fifo.order, fifo.chunks, link, ranks, lanes)
     options = [fifo]
     for chunk_bytes in candidates:
-        if chunk_bytes is not None and chunk_bytes < MIN_CHUNK_BYTES:
-            continue
         chunks = chunk_counts(profile, chunk_bytes)
         if any(s.chunks == chunks and s.chunk_bytes is not None for s in options[1:]):
             continue
         order = priority_order(profile, chunks, link, ranks)
         options.append(Schedule(order, chunks, chunk_bytes,
-                                predict_ms(profile, order, chunks, link, ranks)))
+                                predict_ms(profile, order, chunks, link, ranks, lanes)))
     # fewer all-reduces first among equals: a 1% predicted gain is not worth more launches
     best = min(options, key=lambda s: (round(s.predicted_ms / max(options[0].predicted_ms,
                                                                     1e-9), 2), len(s.order)))

@@ -47,20 +47,6 @@ def _model(gen=None):
     return nn.Sequential(*layers, nn.Linear(WIDTH, 4))
 
 
-def _force_fine_chunks():
-    """The planner's choice, made deterministic for the test: chunks of 64 KB (4 per layer),
-    in its priority order, whatever the loopback link's timing predicts."""
-    from pyreducer.tuning import schedule
-
-    def finest(profile, link, ranks, candidates=None):
-        chunks = schedule.chunk_counts(profile, CHUNK_BYTES)
-        order = schedule.priority_order(profile, chunks, link, ranks)
-        fifo = schedule.fifo_schedule(profile)
-        return schedule.Schedule(order, chunks, CHUNK_BYTES, 0.0), [fifo]
-
-    schedule.best_schedule = finest
-
-
 def _train(model, opt, gen, steps=STEPS):
     for _ in range(steps):
         model(torch.randn(8, WIDTH, generator=gen)).pow(2).mean().backward()
@@ -124,7 +110,6 @@ def auto_worker(rank, world_size, jitter):
 
     from pyreducer import DistributedDataParallel
 
-    _force_fine_chunks()
     torch.manual_seed(0)
     base = _model()
     out = {}
@@ -137,8 +122,8 @@ def auto_worker(rank, world_size, jitter):
         cls = TorchDDP if name == "torch" else DistributedDataParallel
         model = cls(module, bucket_cap_mb=CAP_MB)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
-        if name == "ours":
-            opt = model.overlap_optimizer(opt)
+        if name == "ours":  # chunks of 64 KB (4 per layer) whatever the loopback link predicts
+            opt = model.overlap_optimizer(opt, schedule=CHUNK_BYTES / 2**20)
         _train(model, opt, gen, steps=12)
         if name == "ours":
             model.synchronize()
@@ -156,6 +141,7 @@ def test_planned_schedule_is_installed_alike_and_keeps_results(ranks_once, world
     assert max(chunks) > 1 and sorted(set(order)) == list(range(len(chunks)))
     for r in results:
         assert len(r["log"]) == 1 and r["log"][0]["order"] == order  # rank 0's, everywhere
+        assert r["log"][0]["chunk_bytes"] == CHUNK_BYTES and r["log"][0]["lanes"] == 2
         assert r["set"] == (order, chunks)
         first = []
         for b in order:
@@ -203,11 +189,12 @@ def errors_worker(rank, world_size):
         messages.append(None)
     except ValueError as error:
         messages.append(str(error))
-    try:
-        model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), hold_back=1)
-        messages.append(None)
-    except ValueError as error:
-        messages.append(str(error))
+    for options in (dict(hold_back=1), dict(schedule=0), dict(schedule="fast")):
+        try:
+            model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), **options)
+            messages.append(None)
+        except ValueError as error:
+            messages.append(str(error))
     return messages
 
 
@@ -220,3 +207,5 @@ def test_launch_sequences_that_cannot_run_are_refused_by_name(ranks_once):
     assert "communication hook sees whole buckets" in messages[4] and "bucket 0" in messages[4]
     assert "a communication hook sees whole buckets" in messages[5]
     assert "hold_back applies to schedule='fifo'" in messages[6]
+    for message in messages[7:]:
+        assert "schedule must be 'auto', 'fifo' or a chunk size in MB > 0" in message

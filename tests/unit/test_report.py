@@ -32,6 +32,30 @@ def test_plots_and_report_from_timelines(tmp_path):
     assert "last-bucket bound" in (tmp_path / "summary.txt").read_text()
 
 
+def _overlapped(iteration, start_ns):
+    """An overlapped optimizer's record: its last bucket runs under the next forward."""
+    record = _record(0, start_ns - 1_000_000_000)
+    base = record["backward_start_ns"]
+    record["iteration"] = iteration
+    record["overlap"] = dict(forward_start_ns=base + 8_200_000, forward_end_ns=base + 12_000_000,
+                             updates=[dict(bucket=1, read_ns=base + 8_300_000,
+                                           reduced_ns=base + 8_900_000,
+                                           updated_ns=base + 9_100_000),
+                                      dict(bucket=0, read_ns=base + 10_000_000,
+                                           reduced_ns=base + 10_000_000,
+                                           updated_ns=base + 10_200_000)])
+    return record
+
+
+def test_overlap_gantt_draws_two_iterations(tmp_path):
+    records = [_overlapped(4, 1_000_000_000), _overlapped(5, 1_012_500_000)]
+    result = report.write_report([records], tmp_path)
+    assert (tmp_path / "overlap_gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["paths"]["overlap_gantt.png"].endswith("overlap_gantt.png")
+    with pytest.raises(ValueError, match="two consecutive"):
+        plot.overlap_gantt(records[:1], tmp_path / "one.png")
+
+
 def test_without_matplotlib_the_report_says_how_to_get_plots(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from pyreducer.tuning.linkmodel import LinkModel
-from pyreducer.tuning.schedule import (OverlapProfile, best_schedule, chunk_counts, fifo_schedule,
-                                       predict_ms, priority_order)
+from pyreducer.tuning.schedule import (OverlapProfile, best_schedule, channel_done_ms,
+                                       chunk_counts, fifo_schedule, predict_ms, priority_order)
 
 MB = 1 << 20
 # 1 ms per MB, no latency, 2 ranks (ring factor 1): a bucket of s MB takes s ms
@@ -100,3 +100,15 @@ def test_profile_from_records():
     assert profile.update_ms == [2.0, 1.0] and profile.tail_ms == 3.0 and profile.gap_ms == 2.0
     with pytest.raises(ValueError, match="next forward"):
         OverlapProfile.from_records([dict(record, overlap=None)])
+
+
+def test_channel_lanes_share_the_wire_and_overlap_latency():
+    # one lane: each waits for the one before; latency is paid in turn
+    assert channel_done_ms([0.0, 0.0], [4.0, 4.0], 1.0, lanes=1) == pytest.approx([5.0, 10.0])
+    # two lanes (Gloo's two worker threads): both on the wire at once, at half the rate each
+    assert channel_done_ms([0.0, 0.0], [4.0, 4.0], 1.0, lanes=2) == pytest.approx([9.0, 9.0])
+    # a short one beside a long one leaves first; a third waits for a lane
+    assert channel_done_ms([0.0, 0.0, 0.0], [8.0, 2.0, 2.0], 0.0, lanes=2) == \
+        pytest.approx([12.0, 4.0, 8.0])
+    # launched later than the channel frees: starts at its launch
+    assert channel_done_ms([0.0, 10.0], [1.0, 1.0], 0.5, lanes=2) == pytest.approx([1.5, 11.5])

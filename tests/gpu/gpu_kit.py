@@ -30,7 +30,8 @@ def needs_gpus(world_size: int = 1):
 
 
 @functools.lru_cache(maxsize=None)
-def nccl_ranks(fn, world_size: int, set_device: bool = True):
-    """fn on `world_size` NCCL ranks, one GPU each, once per session (cached)."""
-    return run_ranks(fn, world_size, timeout_s=600, pg_timeout_s=120, backend="nccl",
-                     set_device=set_device)
+def nccl_ranks(fn, world_size: int, args: tuple = (), set_device: bool = True):
+    """fn(rank, world_size, *args) on `world_size` NCCL ranks, one GPU each, once per session
+    (cached)."""
+    return run_ranks(fn, world_size, args=args, timeout_s=600, pg_timeout_s=120,
+                     backend="nccl", set_device=set_device)

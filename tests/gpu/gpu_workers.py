@@ -338,3 +338,39 @@ def sparse_on_nccl_worker(rank, world_size):
     except RuntimeError as error:
         return str(error)
     return None
+
+
+def overlap_worker(rank, world_size, schedule):
+    """The overlapped optimizer on NCCL (deferred completion: each bucket's wait makes the
+    current stream wait, then its copy-out and update run on it) against torch DDP + the same
+    Adam; `schedule`: "fifo", or a chunk size in MB (chunked all-reduces in the planned order)."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    device = torch.device("cuda", rank)
+    torch.manual_seed(5)
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
+    base = torch.nn.Sequential(*layers, torch.nn.Linear(256, 4))
+    out = {}
+    for name in ("torch", "ours"):
+        module = copy.deepcopy(base).to(device)
+        cls = TorchDDP if name == "torch" else DistributedDataParallel
+        model = cls(module, device_ids=[rank], bucket_cap_mb=0.3)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+        if name == "ours":
+            opt = model.overlap_optimizer(opt, schedule=schedule)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(10):
+            x = torch.randn(16, 256, generator=gen).to(device)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if name == "ours":
+            model.synchronize()
+            out["chunks"] = model.reducer.launch_chunks()
+        torch.cuda.synchronize(device)
+        out[name] = [p.detach().cpu().clone() for p in model.parameters()]
+    return out

@@ -13,7 +13,7 @@ after a check that the communicating ones end with the same parameters. Variants
              --schedule auto: chunks in a planned order; fifo: torch DDP's order, with
              --hold-back K the first layers' K buckets first); time it with --loop-steps N
   overlap    pyreducer with its own schedule: autotuned caps, then the overlapped optimizer's
-             planned schedule (50 warm-up steps)
+             planned and measured schedule (70 warm-up steps)
 With --loop-steps N every variant is timed in blocks of N steps with no barrier inside (the
 per-step barrier would wait behind the overlapped variant's in-flight buckets and erase the
 overlap being measured); blocks alternate like steps.

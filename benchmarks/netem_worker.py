@@ -30,7 +30,7 @@ VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overl
             "overlap")
 OVERLAPPED = ("overlapped", "overlap")  # with the overlapped optimizer
 AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
-OVERLAP_WARMUP = 10  # the overlapped optimizer plans its schedule after 6 (overlap_control)
+OVERLAP_WARMUP = 30  # the overlapped optimizer plans after ~6 steps, then times 3 x 5 steps
 
 
 class Plain:

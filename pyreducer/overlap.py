@@ -84,10 +84,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
         max_grad_norm: clip the global gradient norm to this before any update, with
             torch.nn.utils.clip_grad_norm_'s arithmetic (every bucket must be reduced first).
         schedule: "auto" (default): after a few iterations, the buckets are all-reduced in
-            chunks, in the order that serves the next forward first, chosen by the step model
-            of pyreducer/tuning/schedule.py from this run's timeline and a link probe (on every
-            rank alike; see pyreducer/tuning/overlap_control.py; its schedule_log says what
-            was chosen). "fifo": whole buckets in torch DDP's order (with 3 or more
+            chunks, in the order that serves the next forward first: the step model of
+            pyreducer/tuning/schedule.py ranks chunk sizes from this run's timeline and a link
+            probe, the best few are each timed for a few steps, and the fastest is kept (on
+            every rank alike; see pyreducer/tuning/overlap_control.py; schedule_log says what
+            was planned, measured and chosen). "fifo": whole buckets in torch DDP's order (with 3 or more
             ranks, the only schedule whose all-reduce sums are torch DDP's bit for bit). A
             number: chunks of that many MB, in the planned priority order (planned as "auto"
             is, without choosing the size).

@@ -4,14 +4,23 @@ what OverlapOptimizer(schedule="auto") delegates to (model: pyreducer/tuning/sch
 At the start of a synced forward, on every rank alike (the counters are synced forwards, the
 same everywhere): once `warmup` synced iterations ran with the bucket plan in force (and a
 bucket autotune, if any, has decided), the link is probed (collective, once), rank 0 builds an
-OverlapProfile from its timeline and the overlap events, picks the schedule predicted fastest
-and broadcasts it; every rank installs it before the module runs. A new bucket plan (rebuild,
-apply_bucket_plan) resets the Reducer to torch DDP's order, and the schedule is planned again
-for it after `warmup` more iterations.
+OverlapProfile from its timeline and the overlap events and broadcasts the TRIALS schedules the
+step model predicts fastest. Every rank then installs each in turn for 1 + TRIAL_ITERATIONS
+synced iterations (the first, whose backward ran under the previous schedule, is not timed);
+rank 0 times the steps between its synced forwards (no collective per step: it would wait
+behind the reductions in flight and erase the overlap being measured; the ranks' steps are tied
+together by their collectives) and broadcasts which was fastest; every rank installs that one
+for good. The model ranks the candidates (its predictions were 4-13% off on the bench models:
+benchmarks/results/overlap_schedule_20261124.md), measurement decides among the best few, as
+bucket autotune does. With a fixed chunk size there is one candidate, installed at once. A new
+bucket plan (rebuild, apply_bucket_plan) resets the Reducer to torch DDP's order, and the
+schedule is planned again for it after `warmup` more iterations.
 """
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 
 from pyreducer import sync
 from pyreducer import timeline as timeline_module
@@ -21,10 +30,12 @@ logger = logging.getLogger("pyreducer.overlap")
 
 WARMUP_ITERATIONS = 4  # synced iterations recorded with a plan before its schedule is made
 PROFILE_ITERATIONS = 3  # of which the profile takes the medians
+TRIALS = 3  # candidates measured, the model's best first
+TRIAL_ITERATIONS = 4  # steps timed per candidate (after one to let it take over)
 
 
 class ScheduleTuner:
-    """schedule="auto" of one OverlapOptimizer."""
+    """schedule="auto" (or a fixed chunk size) of one OverlapOptimizer."""
 
     def __init__(self, tuning, events, autotune=None, settle=None,
                  warmup: int = WARMUP_ITERATIONS, chunk_bytes: int | None = None):
@@ -36,6 +47,11 @@ class ScheduleTuner:
         self.planned_for = None   # the bucket plan the installed schedule was made for
         self.seen_plan = None     # the plan in force at the last synced forward ...
         self.since_change = 0     # ... and the synced forwards since it came into force
+        self.trials: list[dict] = []  # candidates still to be measured (every rank alike)
+        self.trial: dict | None = None  # the one being measured
+        self.samples: list[float] = []  # its step times (s), rank 0's clock
+        self.last_forward = None
+        self.measured: list[dict] = []  # candidates measured so far (with "measured_ms")
         self.log: list[dict] = []
 
     @property
@@ -48,6 +64,11 @@ class ScheduleTuner:
         if params.world_size < 2 or (self.autotune is not None and not self.autotune.done):
             return
         plan = self.tuning.current_plan()
+        if self.trial is not None and plan != self.planned_for:  # a new plan: start again
+            self.trial, self.trials, self.measured = None, [], []
+        if self.trial is not None:
+            self._measure()
+            return
         if plan != self.seen_plan:
             self.seen_plan, self.since_change = plan, 0
         self.since_change += 1
@@ -62,14 +83,57 @@ class ScheduleTuner:
         choice = sync.from_rank0(choice, params.process_group, params.device)
         if choice is None:  # rank 0 could not profile: keep torch DDP's order
             return
-        self.reducer.set_launch_order(choice["order"], choice["chunks"])
-        self.log.append(choice)
-        if params.rank == 0:
-            logger.info("overlap schedule: %s, predicted %.2f ms (torch DDP's order %.2f ms)",
-                        choice["describe"], choice["predicted_ms"], choice["fifo_predicted_ms"])
+        self.log.append(dict(event="planned", **choice))
+        self.trials = list(choice["trials"])
+        if len(self.trials) == 1:  # nothing to compare
+            self._install(self.trials.pop(), "chosen", predicted_only=True)
+        else:
+            self._next_trial()
+
+    def _install(self, schedule: dict, event: str, **fields) -> None:
+        self.reducer.set_launch_order(schedule["order"], schedule["chunks"])
+        entry = {**schedule, "event": event, **fields}
+        if event == "chosen":
+            self.log.append(entry)
+            if self.tuning.params.rank == 0:
+                logger.info("overlap schedule: %s (predicted %.2f ms%s)", schedule["describe"],
+                            schedule["predicted_ms"], "" if "measured_ms" not in fields
+                            else f", measured {fields['measured_ms']:.2f} ms")
+
+    def _next_trial(self) -> None:
+        """Installs the next candidate; its steps are timed from the second one (the first
+        follows a backward launched under the previous schedule)."""
+        self.trial = self.trials.pop(0)
+        self._install(self.trial, "trial")
+        self.samples, self.last_forward = [], time.perf_counter()
+
+    def _measure(self) -> None:
+        now = time.perf_counter()
+        if self.last_forward is not None:
+            self.samples.append(now - self.last_forward)
+        self.last_forward = now
+        if len(self.samples) < TRIAL_ITERATIONS + 1:
+            return
+        self.trial["measured_ms"] = statistics.median(self.samples[1:]) * 1e3
+        self.log.append(dict(event="measured", describe=self.trial["describe"],
+                             measured_ms=self.trial["measured_ms"],
+                             predicted_ms=self.trial["predicted_ms"]))
+        self.measured.append(self.trial)
+        self.trial = None
+        if self.trials:
+            self._next_trial()
+            return
+        params = self.tuning.params
+        # rank 0's times decide (every rank's step is bound to the others' by the collectives)
+        best = min(range(len(self.measured)), key=lambda k: self.measured[k]["measured_ms"]) \
+            if params.rank == 0 else None
+        best = sync.from_rank0(best, params.process_group, params.device)
+        chosen, self.measured = self.measured[best], []
+        self._install(chosen, "chosen", measured_ms=chosen["measured_ms"])
 
     def _plan(self) -> dict | None:
-        """Rank 0: the schedule predicted fastest for the plan in force, or None."""
+        """Rank 0: the schedules to try for the plan in force (the model's best TRIALS; with a
+        fixed chunk size, that one), or None."""
         params = self.tuning.params
         records = timeline_module.records(params, self.reducer, PROFILE_ITERATIONS + 1,
                                           overlap=self.events)
@@ -84,15 +148,21 @@ class ScheduleTuner:
             return None
         profile.max_chunks = self.max_chunks()
         lanes = self.lanes()
-        if self.chunk_bytes is None:
-            best, options = schedule_model.best_schedule(profile, self.link, params.world_size,
-                                                         lanes=lanes)
+        if self.chunk_bytes is None:  # the model's best few, to be measured
+            options = schedule_model.best_schedule(profile, self.link, params.world_size,
+                                                   lanes=lanes)[1]
+            trials = []
+            for o in sorted(options, key=lambda o: o.predicted_ms):
+                if all((o.order, o.chunks) != (t.order, t.chunks) for t in trials):
+                    trials.append(o)
+            trials = trials[:TRIALS]
         else:  # the user's size, in the planned order (fifo predicted alongside, as a reference)
             options = schedule_model.best_schedule(profile, self.link, params.world_size,
                                                    candidates=(self.chunk_bytes,), lanes=lanes)[1]
-            best = options[-1]
-        return dict(order=best.order, chunks=best.chunks, chunk_bytes=best.chunk_bytes,
-                    describe=best.describe(), predicted_ms=best.predicted_ms,
+            trials = options[-1:]
+        return dict(trials=[dict(order=o.order, chunks=o.chunks, chunk_bytes=o.chunk_bytes,
+                                 describe=o.describe(), predicted_ms=o.predicted_ms)
+                            for o in trials],
                     fifo_predicted_ms=options[0].predicted_ms,
                     candidates=[dict(chunk_bytes=o.chunk_bytes, all_reduces=len(o.order),
                                      predicted_ms=o.predicted_ms) for o in options],

@@ -140,8 +140,10 @@ def test_planned_schedule_is_installed_alike_and_keeps_results(ranks_once, world
     order, chunks = results[0]["set"]
     assert max(chunks) > 1 and sorted(set(order)) == list(range(len(chunks)))
     for r in results:
-        assert len(r["log"]) == 1 and r["log"][0]["order"] == order  # rank 0's, everywhere
-        assert r["log"][0]["chunk_bytes"] == CHUNK_BYTES and r["log"][0]["lanes"] == 2
+        planned, chosen = r["log"]  # one candidate (a fixed size): installed at once
+        assert planned["event"] == "planned" and planned["lanes"] == 2
+        assert chosen["event"] == "chosen" and chosen["order"] == order  # rank 0's, everywhere
+        assert chosen["chunk_bytes"] == CHUNK_BYTES
         assert r["set"] == (order, chunks)
         first = []
         for b in order:
@@ -157,6 +159,52 @@ def test_planned_schedule_is_installed_alike_and_keeps_results(ranks_once, world
             else:
                 torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert order[0] == 0  # the last layers' bucket, full first, starts the backward
+
+
+def trials_worker(rank, world_size):
+    """schedule="auto": the model's best few schedules are each installed and timed, then the
+    fastest for good; the same decisions on every rank, and torch DDP's parameters."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+    from pyreducer.tuning import overlap_control
+
+    torch.manual_seed(0)
+    base = _model()
+    out = {}
+    for name in ("torch", "ours"):
+        cls = TorchDDP if name == "torch" else DistributedDataParallel
+        model = cls(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False)
+        if name == "ours":
+            opt = model.overlap_optimizer(opt)
+        # rebuild, warm-up, then each trial takes 1 + TRIAL_ITERATIONS steps
+        steps = 8 + overlap_control.TRIALS * (overlap_control.TRIAL_ITERATIONS + 1) + 3
+        _train(model, opt, torch.Generator().manual_seed(rank), steps=steps)
+        if name == "ours":
+            model.synchronize()
+            out["log"] = opt.schedule_log
+            out["set"] = (model.reducer.launch_order(), model.reducer.launch_chunks())
+        out[name] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_once):
+    results = ranks_once(trials_worker, 2, ())
+    logs = [r["log"] for r in results]
+    for r in results:
+        events = [e["event"] for e in r["log"]]
+        trials = len(r["log"][0]["trials"])
+        assert events == ["planned"] + ["measured"] * trials + ["chosen"], events
+        assert 2 <= trials <= 3  # whole buckets in two orders at least, and chunks of 256 KB
+        chosen = r["log"][-1]
+        assert r["set"] == (chosen["order"], chosen["chunks"])
+        for ours, theirs in zip(r["ours"], r["torch"]):
+            assert torch.equal(ours, theirs)
+    # rank 0's times decide, and every rank installs its choice
+    assert all(log[-1]["order"] == logs[0][-1]["order"] for log in logs)
+    assert results[0]["log"][-1]["measured_ms"] == min(m["measured_ms"]
+                                                       for m in results[0]["log"][1:-1])
 
 
 def errors_worker(rank, world_size):

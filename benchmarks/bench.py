@@ -119,17 +119,30 @@ def table(result) -> str:
             lines.append(f"    floor without the barrier = max(compute {compute:.1f}, comm "
                          f"{result['comm_only_ms']:.1f}) = {entry['floor_ms']:.1f} ms")
         for variant in ("overlapped", "overlap"):
-            for choice in entry.get(f"{variant}_schedule", []):
-                measured = entry[variant]["median_ms"]
-                lines.append(f"    {variant} schedule: {choice['describe']}; predicted "
-                             f"{choice['predicted_ms']:.1f} ms (torch DDP's order "
-                             f"{choice['fifo_predicted_ms']:.1f}), measured {measured:.1f} ms "
-                             f"({measured / choice['predicted_ms']:.2f} of predicted)")
+            lines += schedule_lines(variant, entry)
         if "backward_under_comm_ms" in entry:
             lines.append(f"    backward while a flat all-reduce runs: "
                          f"{entry['backward_under_comm_ms']:.1f} ms; bound with it: "
                          f"{entry['contended_bound_ms']:.1f} ms")
     return "\n".join(lines)
+
+
+def schedule_lines(variant, entry) -> list[str]:
+    """The overlapped variant's schedule log (pyreducer/tuning/overlap_control.py) in words."""
+    lines = []
+    for event in entry.get(f"{variant}_schedule", []):
+        if event["event"] == "planned":
+            lines.append(f"    {variant} schedule, candidates (predicted ms): " + ", ".join(
+                f"{t['describe']} {t['predicted_ms']:.1f}" for t in event["trials"])
+                + f"; torch DDP's order {event['fifo_predicted_ms']:.1f}")
+        elif event["event"] == "measured":
+            lines.append(f"      measured {event['describe']}: {event['measured_ms']:.1f} ms")
+        elif event["event"] == "chosen":
+            measured = entry[variant]["median_ms"]
+            lines.append(f"    {variant} schedule chosen: {event['describe']}; predicted "
+                         f"{event['predicted_ms']:.1f} ms, timed in the benchmark {measured:.1f}"
+                         f" ms ({measured / event['predicted_ms']:.2f} of predicted)")
+    return lines
 
 
 def draw_overlap_gantts(result, path) -> None:

@@ -281,6 +281,7 @@ void bind_reducer(py::module_& m) {
       .def("launch_order", &Reducer::launch_order)
       .def("launch_chunks", &Reducer::launch_chunks)
       .def("has_comm_hook", &Reducer::has_comm_hook)
+      .def("plan_version", &Reducer::plan_version)
       .def("divide_next_backward_by", &Reducer::divide_next_backward_by, py::arg("ranks"))
       .def_property_readonly("num_iterations", &Reducer::num_iterations)
       .def("backward_stats", &backward_stats)

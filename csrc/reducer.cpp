@@ -454,7 +454,8 @@ void Reducer::reset_iteration(bool keep_reductions) {
     bucket.pending = bucket.param_indices.size();
     bucket.copy_streams.clear();
     bucket.chunks_launched = 0;
-    if (keep_reductions) continue;  // completed later, bucket by bucket
+    if (keep_reductions) continue;  // completed later, bucket by bucket (skipped: re-decided
+                                    // at the next launch, see launch_ready_buckets)
     bucket.works.clear();
     bucket.future.reset();
     bucket.skipped = false;

@@ -204,7 +204,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // See Note [Launch order]: `chunks[b]` (empty: 1 each) all-reduces for bucket b, launched in
   // `order`, where bucket b appears chunks[b] times; the same on every rank. A new plan resets
-  // both to index order, one chunk each. Python thread, between iterations. std::invalid_argument, naming the bucket, if a count is below
+  // both to index order, one chunk each. Python thread, between iterations (or after a forward
+  // whose backward never ran). std::invalid_argument, naming the bucket, if a count is below
   // 1 or above the bucket's element count, is not 1 for a sparse bucket or with a communication
   // hook, or `order` does not hold each bucket that many times.
   void set_launch_order(const std::vector<int64_t>& order,
@@ -212,6 +213,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int64_t> launch_order() const;
   std::vector<int64_t> launch_chunks() const;  // chunks per bucket
   bool has_comm_hook() const;
+  // Bucket plans installed so far, minus one (a timeline record's plan_version): it changes
+  // with every rebuild or apply_plan, even to the same buckets.
+  int64_t plan_version() const;
 
   // The last synced backward that finished (see BackwardStats).
   BackwardStats last_backward_stats() const;

@@ -123,8 +123,9 @@ void Reducer::launch_ready_buckets() {
     const size_t b = static_cast<size_t>(launch_order_[next_launch_]);
     Bucket& bucket = set_.buckets[b];
     const bool first_chunk = bucket.chunks_launched == 0;
-    if (first_chunk && options_.skip_all_reduce_unused_params && all_unused(bucket)) {
-      bucket.skipped = true;  // left as is, on every rank (ranks must agree on unused parameters)
+    if (first_chunk) {  // decided afresh every iteration (a deferred one keeps the last flag)
+      // A skipped bucket is left as is, on every rank (ranks must agree on unused parameters).
+      bucket.skipped = options_.skip_all_reduce_unused_params && all_unused(bucket);
     }
     if (bucket.skipped) {
       bucket.chunks_launched += 1;  // none of its chunks is all-reduced

@@ -173,7 +173,8 @@ void Reducer::note_unsynced_forward() {
 void Reducer::set_launch_order(const std::vector<int64_t>& order,
                                const std::vector<int64_t>& chunks) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (armed_ || finalize_queued_) {
+  // Armed by a forward whose backward never came is fine: nothing was launched.
+  if (finalize_queued_ || backward_started_ || num_ready_ > 0) {
     throw std::runtime_error("pyreducer: a launch order can only be set between iterations");
   }
   const size_t count = set_.buckets.size();
@@ -217,6 +218,11 @@ void Reducer::set_launch_order(const std::vector<int64_t>& order,
 std::vector<int64_t> Reducer::launch_order() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return launch_order_;
+}
+
+int64_t Reducer::plan_version() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(plan_history_.size()) - 1;
 }
 
 bool Reducer::has_comm_hook() const {

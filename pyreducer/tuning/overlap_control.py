@@ -44,8 +44,8 @@ class ScheduleTuner:
         self.chunk_bytes = chunk_bytes  # fixed by the user; None: chosen by the model
         self.warmup = warmup
         self.link = None
-        self.planned_for = None   # the bucket plan the installed schedule was made for
-        self.seen_plan = None     # the plan in force at the last synced forward ...
+        self.planned_for = None   # the plan version the installed schedule was made for
+        self.seen_plan = None     # the plan version in force at the last synced forward ...
         self.since_change = 0     # ... and the synced forwards since it came into force
         self.trials: list[dict] = []  # candidates still to be measured (every rank alike)
         self.trial: dict | None = None  # the one being measured
@@ -63,7 +63,7 @@ class ScheduleTuner:
         params = self.tuning.params
         if params.world_size < 2 or (self.autotune is not None and not self.autotune.done):
             return
-        plan = self.tuning.current_plan()
+        plan = self.reducer.plan_version()  # a new plan resets the Reducer's launch order
         if self.trial is not None and plan != self.planned_for:  # a new plan: start again
             self.trial, self.trials, self.measured = None, [], []
         if self.trial is not None:
@@ -79,7 +79,7 @@ class ScheduleTuner:
             if self.settle is not None:
                 self.settle()
             self.link = self.tuning.probe()  # collective: every rank is here at this forward
-        choice = self._plan() if params.rank == 0 else None
+        choice = self._plan_or_none() if params.rank == 0 else None
         choice = sync.from_rank0(choice, params.process_group, params.device)
         if choice is None:  # rank 0 could not profile: keep torch DDP's order
             return
@@ -130,6 +130,14 @@ class ScheduleTuner:
         best = sync.from_rank0(best, params.process_group, params.device)
         chosen, self.measured = self.measured[best], []
         self._install(chosen, "chosen", measured_ms=chosen["measured_ms"])
+
+    def _plan_or_none(self) -> dict | None:
+        """_plan(), or None if it fails: the other ranks are waiting in the broadcast."""
+        try:
+            return self._plan()
+        except Exception:  # noqa: BLE001 - any failure here must not leave the others waiting
+            logger.exception("overlap schedule not planned (torch DDP's order kept)")
+            return None
 
     def _plan(self) -> dict | None:
         """Rank 0: the schedules to try for the plan in force (the model's best TRIALS; with a

@@ -75,6 +75,10 @@ CASES = {
     "reads_outside": dict(model="reads_outside", opt="sgd", ddp=dict(bucket_cap_mb=0.001)),
     "unused_branch": dict(model="branchy", opt="adam",
                           ddp=dict(find_unused_parameters=True, bucket_cap_mb=0.001)),
+    # a branch unused on some steps, used on others: its bucket skipped, then reduced again
+    "skip_unused": dict(model="skips", opt="sgd",
+                        ddp=dict(find_unused_parameters=True, skip_all_reduce_unused_params=True,
+                                 bucket_cap_mb=0.001)),
     "clip": dict(model="mlp", opt="adam", clip=0.05, ddp=dict(bucket_cap_mb=0.3)),
     # the user clips between backward and step (reading every .grad): the reads wait for the
     # reductions, so this is correct, without overlap of the update

@@ -5,6 +5,7 @@ Sizes are chosen for one CPU core: a step takes milliseconds to a few hundred mi
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -118,6 +119,33 @@ def mlp(width: int = 64, depth: int = 3, inputs: int = 32, outputs: int = 8) -> 
         layers += [nn.Linear(width, width), nn.ReLU()]
     layers.append(nn.Linear(width, outputs))
     return nn.Sequential(*layers)
+
+
+class Jitter(nn.Module):
+    """Identity whose backward sleeps a random time up to `max_s`, drawn from `gen` (different
+    on every rank and step when each rank seeds its own); with gen=None it does nothing. For
+    tests that ranks agree whatever their timing."""
+
+    def __init__(self, gen: torch.Generator | None, max_s: float):
+        super().__init__()
+        self.gen, self.max_s = gen, max_s
+
+    def forward(self, x):
+        if self.gen is None:
+            return x
+        return _Sleep.apply(x, float(torch.rand(1, generator=self.gen)) * self.max_s)
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
 
 
 @dataclass

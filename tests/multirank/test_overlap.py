@@ -264,41 +264,17 @@ def test_reads_outside_the_forward_see_every_update(overlapped):
         assert torch.equal(reads["direct"], results[0]["reads"]["direct"])
 
 
-class _Jitter(nn.Module):
-    """Identity whose backward sleeps a random time (different on every rank and step)."""
-
-    def __init__(self, gen):
-        super().__init__()
-        self.gen = gen
-
-    def forward(self, x):
-        return _Sleep.apply(x, float(torch.rand(1, generator=self.gen)) * 0.02)
-
-
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        import time
-
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
 def launch_order_worker(rank, world_size):
     """Backward slowed at random points, differently on every rank: the buckets still launch in
     the same order everywhere, the one set (the last 3 held back, then first-layers-first)."""
     from pyreducer import DistributedDataParallel
+    from pyreducer.testing.models import Jitter
 
     gen = torch.Generator().manual_seed(rank)
     torch.manual_seed(0)
     layers = []
     for _ in range(6):
-        layers += [nn.Linear(32, 32), _Jitter(gen)]
+        layers += [nn.Linear(32, 32), Jitter(gen, max_s=0.02)]
     model = DistributedDataParallel(nn.Sequential(*layers), bucket_cap_mb=0.004)
     opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), hold_back=3,
                                   schedule="fifo")

@@ -3,7 +3,6 @@ overlapped optimizer's planned schedule (pyreducer/tuning/overlap_control.py), o
 ranks: the same sums as torch DDP (bit for bit at 2 ranks), the same order on every rank
 whatever the timing, and clear errors for what cannot be chunked."""
 import copy
-import time
 
 import pytest
 import torch
@@ -15,36 +14,23 @@ CAP_MB = 0.3
 CHUNK_BYTES = 64 << 10
 
 
-class Jitter(nn.Module):
-    """Identity whose backward sleeps a random time (different on every rank and step)."""
-
-    def __init__(self, gen):
-        super().__init__()
-        self.gen = gen
-
-    def forward(self, x):
-        if self.gen is None:
-            return x
-        return Sleep.apply(x, float(torch.rand(1, generator=self.gen)) * 0.01)
-
-
-class Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
 def _model(gen=None):
+    from pyreducer.testing.models import Jitter
+
     layers = []
     for _ in range(8):  # 257 KB each: a first bucket of 1 MB, then one layer per bucket
-        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh(), Jitter(gen)]
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh(), Jitter(gen, max_s=0.01)]
     return nn.Sequential(*layers, nn.Linear(WIDTH, 4))
+
+
+def _first_appearances(order):
+    """Buckets by their first entry in a launch sequence: the order their first chunks go."""
+    return list(dict.fromkeys(order))
+
+
+def _launched(record):
+    """Buckets of a timeline record in the order their first chunk was launched."""
+    return sorted(range(len(record["buckets"])), key=lambda b: record["buckets"][b]["launch_ns"])
 
 
 def _train(model, opt, gen, steps=STEPS):
@@ -93,14 +79,8 @@ def test_chunked_launches_give_torch_ddps_sums(ranks_once, world_size):
                 assert torch.equal(ours, theirs)
             else:  # the ring's summation order may follow the chunk's size
                 torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
-        first = []  # buckets by first appearance in the sequence: their launch order
-        for b in order:
-            if b not in first:
-                first.append(b)
         for rec in r["records"]:
-            launched = sorted(range(len(rec["buckets"])),
-                              key=lambda b: rec["buckets"][b]["launch_ns"])
-            assert launched == first
+            assert _launched(rec) == _first_appearances(order)
             for b in rec["buckets"]:  # done = the last chunk's
                 assert b["launch_ns"] <= b["done_ns"]
 
@@ -145,14 +125,8 @@ def test_planned_schedule_is_installed_alike_and_keeps_results(ranks_once, world
         assert chosen["event"] == "chosen" and chosen["order"] == order  # rank 0's, everywhere
         assert chosen["chunk_bytes"] == CHUNK_BYTES
         assert r["set"] == (order, chunks)
-        first = []
-        for b in order:
-            if b not in first:
-                first.append(b)
         for rec in r["records"]:  # recorded after the schedule was installed
-            launched = sorted(range(len(rec["buckets"])),
-                              key=lambda b: rec["buckets"][b]["launch_ns"])
-            assert launched == first, (launched, first)
+            assert _launched(rec) == _first_appearances(order), rec["buckets"]
         for ours, theirs in zip(r["ours"], r["torch"]):
             if world_size == 2:
                 assert torch.equal(ours, theirs)

@@ -93,10 +93,15 @@ def exposed_vs_hidden(timelines: list[list[dict]], path) -> str:
     return save(fig, path)
 
 
+def overlapped_iterations(records: list[dict]) -> list[dict]:
+    """The records whose next forward (an overlapped optimizer's) is recorded."""
+    return [r for r in records if (r.get("overlap") or {}).get("forward_end_ns")]
+
+
 def overlap_gantt(records: list[dict], path) -> str:
     """Two consecutive iterations of one rank (the last two whose next forward is recorded):
     iteration i's all-reduces running under the forward of i+1 are visible side by side."""
-    done = [r for r in records if (r.get("overlap") or {}).get("forward_end_ns")]
+    done = overlapped_iterations(records)
     if len(done) < 2:
         raise ValueError("overlap_gantt needs two consecutive recorded iterations with an "
                          f"overlapped optimizer's events, got {len(done)}")

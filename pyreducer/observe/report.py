@@ -58,8 +58,7 @@ def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = No
         paths["gantt.png"] = plot.gantt(timelines, os.path.join(out_dir, "gantt.png"))
         paths["overlap.png"] = plot.exposed_vs_hidden(timelines,
                                                       os.path.join(out_dir, "overlap.png"))
-        overlapped = [r for r in timelines[0] if (r.get("overlap") or {}).get("forward_end_ns")]
-        if len(overlapped) >= 2:  # an overlapped optimizer: two iterations, rank 0
+        if len(plot.overlapped_iterations(timelines[0])) >= 2:  # two iterations, rank 0
             paths["overlap_gantt.png"] = plot.overlap_gantt(
                 timelines[0], os.path.join(out_dir, "overlap_gantt.png"))
     except plot.PlottingUnavailable as error:

@@ -86,7 +86,7 @@ class ScheduleTuner:
         self.log.append(dict(event="planned", **choice))
         self.trials = list(choice["trials"])
         if len(self.trials) == 1:  # nothing to compare
-            self._install(self.trials.pop(), "chosen", predicted_only=True)
+            self._install(self.trials.pop(), "chosen")
         else:
             self._next_trial()
 
@@ -156,17 +156,15 @@ class ScheduleTuner:
             return None
         profile.max_chunks = self.max_chunks()
         lanes = self.lanes()
-        if self.chunk_bytes is None:  # the model's best few, to be measured
-            options = schedule_model.best_schedule(profile, self.link, params.world_size,
-                                                   lanes=lanes)[1]
-            trials = []
-            for o in sorted(options, key=lambda o: o.predicted_ms):
-                if all((o.order, o.chunks) != (t.order, t.chunks) for t in trials):
-                    trials.append(o)
-            trials = trials[:TRIALS]
+        ranks = params.world_size
+        if self.chunk_bytes is None:  # the model's best few (distinct), to be measured
+            options = schedule_model.best_schedule(profile, self.link, ranks, lanes=lanes)[1]
+            trials = sorted(options, key=lambda o: o.predicted_ms)[:TRIALS]
         else:  # the user's size, in the planned order (fifo predicted alongside, as a reference)
-            options = schedule_model.best_schedule(profile, self.link, params.world_size,
-                                                   candidates=(self.chunk_bytes,), lanes=lanes)[1]
+            options = [schedule_model.fifo_schedule(profile).predict(profile, self.link, ranks,
+                                                                     lanes),
+                       schedule_model.planned_schedule(profile, self.chunk_bytes, self.link,
+                                                       ranks, lanes)]
             trials = options[-1:]
         return dict(trials=[dict(order=o.order, chunks=o.chunks, chunk_bytes=o.chunk_bytes,
                                  describe=o.describe(), predicted_ms=o.predicted_ms)

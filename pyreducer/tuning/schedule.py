@@ -111,6 +111,12 @@ class Schedule:
     chunk_bytes: int | None  # None: whole buckets
     predicted_ms: float = 0.0
 
+    def predict(self, profile: "OverlapProfile", link: LinkModel, ranks: int,
+                lanes: int = 1) -> "Schedule":
+        """Sets predicted_ms (predict_ms) and returns this schedule."""
+        self.predicted_ms = predict_ms(profile, self.order, self.chunks, link, ranks, lanes)
+        return self
+
     def describe(self) -> str:
         size = "whole buckets" if self.chunk_bytes is None else f"{self.chunk_bytes / 2**20:g} MB"
         return f"chunks of {size}, {len(self.order)} all-reduces"
@@ -220,21 +226,25 @@ def fifo_schedule(profile: OverlapProfile) -> Schedule:
     return Schedule(order=list(range(count)), chunks=[1] * count, chunk_bytes=None)
 
 
+def planned_schedule(profile: OverlapProfile, chunk_bytes: int | None, link: LinkModel,
+                     ranks: int, lanes: int = 1) -> Schedule:
+    """Chunks of about `chunk_bytes` (None: whole buckets) in their priority order, predicted."""
+    chunks = chunk_counts(profile, chunk_bytes)
+    order = priority_order(profile, chunks, link, ranks)
+    return Schedule(order, chunks, chunk_bytes).predict(profile, link, ranks, lanes)
+
+
 def best_schedule(profile: OverlapProfile, link: LinkModel, ranks: int,
                   candidates=CHUNK_CANDIDATES_BYTES,
                   lanes: int = 1) -> tuple[Schedule, list[Schedule]]:
     """The schedule predicted fastest among the chunk sizes `candidates` (each with its
-    priority order) on a channel of `lanes`, and all of them, torch DDP's order first."""
-    fifo = fifo_schedule(profile)
-    fifo.predicted_ms = predict_ms(profile, fifo.order, fifo.chunks, link, ranks, lanes)
-    options = [fifo]
+    priority order) on a channel of `lanes`, and all the distinct ones (order and chunks),
+    torch DDP's order first."""
+    options = [fifo_schedule(profile).predict(profile, link, ranks, lanes)]
     for chunk_bytes in candidates:
-        chunks = chunk_counts(profile, chunk_bytes)
-        if any(s.chunks == chunks and s.chunk_bytes is not None for s in options[1:]):
-            continue
-        order = priority_order(profile, chunks, link, ranks)
-        options.append(Schedule(order, chunks, chunk_bytes,
-                                predict_ms(profile, order, chunks, link, ranks, lanes)))
+        option = planned_schedule(profile, chunk_bytes, link, ranks, lanes)
+        if all((option.order, option.chunks) != (s.order, s.chunks) for s in options):
+            options.append(option)
     # fewer all-reduces first among equals: a 1% predicted gain is not worth more launches
     best = min(options, key=lambda s: (round(s.predicted_ms / max(options[0].predicted_ms,
                                                                     1e-9), 2), len(s.order)))

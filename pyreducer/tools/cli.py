@@ -70,7 +70,7 @@ def print_report(report: dict) -> int:
 def netem_main(args) -> int:
     from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable
 
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
         raise InputError("give the command to run after --, e.g. -- python train.py")
     try:
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "1gbit, 10gbit) or 'unlimited'; default 1gbit")
     netem.add_argument("--timeout", type=float, default=3600, metavar="SECONDS",
                        help="kill all ranks after this long; default 3600")
-    netem.add_argument("command", nargs=argparse.REMAINDER,
+    netem.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                        help="the command every rank runs, after --: -- python train.py ...")
     return parser
 

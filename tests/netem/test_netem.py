@@ -60,3 +60,18 @@ def test_cleanup_on_failure():
     assert time.monotonic() - start < 30
     assert _existing(names) == []
     assert all(p.poll() is not None for p in procs)
+
+
+def test_the_netem_command_runs_every_rank(tmp_path):
+    """`python -m pyreducer netem -- CMD` as the README gives it: every rank runs CMD on its
+    host (a regression: the command's words once replaced the subcommand's name)."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os, pathlib, sys\n"
+                      "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text("
+                      "os.environ['GLOO_SOCKET_IFNAME'])\n")
+    result = subprocess.run([sys.executable, "-m", "pyreducer", "netem", "--hosts", "2",
+                             "--timeout", "60", "--", sys.executable, str(script), str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "exit codes per rank: [0, 0]" in result.stdout
+    assert [(tmp_path / r).read_text()[-2:] for r in ("0", "1")] == ["v0", "v1"]

@@ -146,8 +146,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # garbage collector cannot see through.
         ended = weakref.WeakMethod(self._backward_ended)
         reducer.set_deferred_completion(True, lambda: ended() and ended()())
+        # The modules whose forward is running, innermost last: a wait is charged to the
+        # module that read the parameter (events(): "module").
+        self.names = {id(m): name or "(root)" for name, m in module.named_modules()}
+        self.running: list[str] = []
         self.handles = [m.register_forward_pre_hook(self._before_module)
                         for m in module.modules()]
+        self.handles += [m.register_forward_hook(self._after_module, always_call=True)
+                         for m in module.modules()]
         self.handles.append(module.register_forward_pre_hook(self._before_root))
         self.handles.append(module.register_state_dict_pre_hook(lambda *args: self.synchronize()))
 
@@ -234,7 +240,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
         """The overlap of synced iteration `iteration`: {"forward_start_ns", "forward_end_ns"}
         of the forward that followed its backward, and "updates": per bucket {"bucket",
         "read_ns" (a read asked for it, or a sync), "reduced_ns" (its all-reduce waited for and
-        written back), "updated_ns" (stepped, or 0 if it was read before step())}."""
+        written back), "updated_ns" (stepped, or 0 if it was read before step()), "module" (the
+        qualified name of the innermost module whose forward was running when the read came,
+        "(root)" for the wrapped module itself; None for a read outside any forward, or the
+        updates completed at the forward's end)}."""
         return self.history.get(iteration)
 
     def synchronize(self) -> None:
@@ -260,7 +269,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         optimizer's own math (param_groups cut down to them, step()'s settings) and their
         gradients zeroed as zero_grad() asked."""
         group = self.pending.pop(b)
-        event = dict(bucket=b, read_ns=_C.Reducer.now_ns(), reduced_ns=0, updated_ns=0)
+        event = dict(bucket=b, read_ns=_C.Reducer.now_ns(), reduced_ns=0, updated_ns=0,
+                     module=self.running[-1] if self.running else None)
         if self.current is not None:
             self.current["updates"].append(event)
         for p in group:
@@ -330,6 +340,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             order = list(range(count - held)) + list(range(count - 1, count - held - 1, -1))
             if self.reducer.launch_order() != order or set(self.reducer.launch_chunks()) != {1}:
                 self.reducer.set_launch_order(order)
+        self.running = []  # a forward that raised may have left names behind
         if self.current is not None and not self.current["forward_start_ns"]:
             self.current["forward_start_ns"] = _C.Reducer.now_ns()
 
@@ -341,9 +352,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.current["forward_end_ns"] = _C.Reducer.now_ns()
 
     def _before_module(self, module, args) -> None:
+        self.running.append(self.names.get(id(module), type(module).__name__))
         if self.pending:
             for p in module.parameters(recurse=False):
                 self.update_parameter(p)
+
+    def _after_module(self, module, args, output) -> None:
+        if self.running:
+            self.running.pop()
 
     def _before_root(self, module, args) -> None:
         if not self.in_forward and (self.pending or self.reducer.pending_buckets()):

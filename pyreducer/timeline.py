@@ -49,6 +49,7 @@ update ("bucket", "read_ns", "reduced_ns", "updated_ns"; pyreducer/overlap.py); 
                        wait is not hidden, the forward is stalled on it)
     exposed_comm_ms    communication under neither backward nor the next forward's compute
     forward_wait_ms    time the next forward waited for all-reduces (sum of reduced - read)
+    forward_wait_by_module_ms  the same per module that read the parameters ({name: ms})
     update_ms          time spent in the per-bucket optimizer updates (sum of updated - reduced)
 """
 from __future__ import annotations
@@ -134,7 +135,8 @@ def iteration_stats(record: dict) -> dict:
                      exposed_comm_ms=max(0, busy - hidden - forward) * ms,
                      forward_wait_ms=sum(u["reduced_ns"] - u["read_ns"] for u in updates) * ms,
                      update_ms=sum(u["updated_ns"] - u["reduced_ns"] for u in updates
-                                   if u["updated_ns"]) * ms)
+                                   if u["updated_ns"]) * ms,
+                     forward_wait_by_module_ms=_waits_by_module(updates))
     return {**dict(
         iteration=record["iteration"], rank=record["rank"],
         backward_ms=(end - start) * ms,
@@ -148,8 +150,22 @@ def iteration_stats(record: dict) -> dict:
         num_buckets=len(buckets)), **extra}  # overlapped: exposed_comm_ms is redefined
 
 
+def _waits_by_module(updates: list[dict]) -> dict[str, float]:
+    """ms the next forward waited, per module that read (events without one: OUTSIDE)."""
+    waits: dict[str, float] = {}
+    for u in updates:
+        name = u.get("module") or OUTSIDE
+        waits[name] = waits.get(name, 0.0) + (u["reduced_ns"] - u["read_ns"]) * 1e-6
+    return waits
+
+
+OUTSIDE = "(no module: completed at the forward's end, or read outside a forward)"
+
+
 def overlap_stats(timeline: list[dict]) -> dict:
-    """{"iterations": [per-iteration stats], "mean": {scalar stats averaged}}."""
+    """{"iterations": [per-iteration stats], "mean": {scalar stats averaged}}; with an
+    overlapped optimizer also "forward_wait_by_module_ms": {module: mean ms per iteration the
+    next forward waited in it for all-reduces}, largest first."""
     per_iteration = [iteration_stats(r) for r in timeline]
     scalars = ["backward_ms", "comm_busy_ms", "hidden_comm_ms", "exposed_comm_ms",
                "overlap_fraction", "wait_ms", "last_bucket_bound_ms", "hidden_forward_comm_ms",
@@ -159,4 +175,12 @@ def overlap_stats(timeline: list[dict]) -> dict:
     averaged = [s for s in per_iteration if "hidden_forward_comm_ms" in s] or per_iteration
     mean = {k: statistics.fmean(s[k] for s in averaged) for k in scalars
             if all(k in s for s in averaged)} if averaged else {}
-    return dict(iterations=per_iteration, mean=mean)
+    result = dict(iterations=per_iteration, mean=mean)
+    by_module = [s["forward_wait_by_module_ms"] for s in averaged
+                 if "forward_wait_by_module_ms" in s]
+    if by_module:
+        names = {name for waits in by_module for name in waits}
+        means = {name: sum(w.get(name, 0.0) for w in by_module) / len(by_module)
+                 for name in names}
+        result["forward_wait_by_module_ms"] = dict(sorted(means.items(), key=lambda kv: -kv[1]))
+    return result

@@ -33,6 +33,12 @@ def summary_text(timelines: list[list[dict]]) -> str:
                      f"{m['hidden_comm_ms']:>8.2f} {m['exposed_comm_ms']:>8.2f} "
                      f"{m['overlap_fraction']:>8.2f} {m['wait_ms']:>8.2f} "
                      f"{m['last_bucket_bound_ms']:>17.2f}")
+    for rank, timeline in enumerate(timelines):
+        waits = timeline_module.overlap_stats(timeline).get("forward_wait_by_module_ms")
+        if waits:
+            lines.append(f"rank {rank}: the next forward's waits for all-reduces by module that "
+                         f"read (mean ms per iteration): " +
+                         ", ".join(f"{name} {ms:.2f}" for name, ms in list(waits.items())[:8]))
     lines.append("definitions: pyreducer/timeline.py (and the README)")
     return "\n".join(lines)
 

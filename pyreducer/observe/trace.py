@@ -141,9 +141,11 @@ def _overlap_events(record: dict, rank: int, us) -> list[dict]:
                    pid=rank, tid=COMPUTE_TID, ts=us(overlap["forward_start_ns"]),
                    dur=(overlap["forward_end_ns"] - overlap["forward_start_ns"]) / 1e3)]
     for u in overlap["updates"]:
-        events.append(dict(ph="X", name=f"wait bucket {u['bucket']}", cat="wait", pid=rank,
-                           tid=WAIT_TID, ts=us(u["read_ns"]),
-                           dur=(u["reduced_ns"] - u["read_ns"]) / 1e3))
+        where = f" in {u['module']}" if u.get("module") else ""
+        events.append(dict(ph="X", name=f"wait bucket {u['bucket']}{where}", cat="wait",
+                           pid=rank, tid=WAIT_TID, ts=us(u["read_ns"]),
+                           dur=(u["reduced_ns"] - u["read_ns"]) / 1e3,
+                           args=dict(bucket=u["bucket"], module=u.get("module"))))
         if u["updated_ns"]:
             events.append(dict(ph="X", name=f"update bucket {u['bucket']}", cat="update",
                                pid=rank, tid=WAIT_TID, ts=us(u["reduced_ns"]),

@@ -100,6 +100,29 @@ class ResidualCNN(nn.Module):
         return self.classifier(self.features(x).flatten(1))
 
 
+class VGGLike(nn.Module):
+    """VGG-like: convolutions with few parameters and most of the compute first, then a large
+    fully connected head (most of the parameters, little compute): the shape where the next
+    forward's first reads are small buckets and crossing the step barrier pays."""
+
+    def __init__(self, widths=(64, 128, 256), hidden: int = 1024, classes: int = 10):
+        super().__init__()
+        layers: list[nn.Module] = []
+        channels = 3
+        for stage, width in enumerate(widths):
+            for _ in range(2 if stage < len(widths) - 1 else 1):
+                layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU()]
+                channels = width
+            layers.append(nn.MaxPool2d(2))
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(
+            nn.Linear(channels * 4 * 4, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+            nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))
+
+
 class _ResBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -202,10 +225,11 @@ SPECS: dict[str, Spec] = {
     "deep_narrow": Spec(lambda: mlp(96, 200, 96, 96), _regression(96, 96), _mse),
     "transformer": Spec(TinyTransformer, _tokens_lm, _ce),
     "resnet": Spec(ResidualCNN, _images32, _ce),
+    "vgg": Spec(VGGLike, _images32, _ce),
 }
 
 # Batch sizes for the emulated-network benchmarks: one step takes 50-500 ms on one core.
-BENCH_BATCH = {"mlp_large": 128, "deep_narrow": 512, "transformer": 8, "resnet": 32}
+BENCH_BATCH = {"mlp_large": 128, "deep_narrow": 512, "transformer": 8, "resnet": 32, "vgg": 24}
 
 
 def spec(name: str) -> Spec:

@@ -167,11 +167,13 @@ class ScheduleTuner:
                                                        ranks, lanes)]
             trials = options[-1:]
         return dict(trials=[dict(order=o.order, chunks=o.chunks, chunk_bytes=o.chunk_bytes,
-                                 describe=o.describe(), predicted_ms=o.predicted_ms)
+                                 budget_bytes=o.budget_bytes, describe=o.describe(),
+                                 predicted_ms=o.predicted_ms)
                             for o in trials],
                     fifo_predicted_ms=options[0].predicted_ms,
-                    candidates=[dict(chunk_bytes=o.chunk_bytes, all_reduces=len(o.order),
-                                     predicted_ms=o.predicted_ms) for o in options],
+                    candidates=[dict(chunk_bytes=o.chunk_bytes, budget_bytes=o.budget_bytes,
+                                     all_reduces=len(o.order), predicted_ms=o.predicted_ms)
+                                for o in options],
                     lanes=lanes,
                     link=dict(latency_s=self.link.latency_s,
                               bandwidth_bytes_per_s=self.link.bandwidth_bytes_per_s,

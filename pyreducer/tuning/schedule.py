@@ -7,13 +7,18 @@ last, and the forward waits for the whole communication before its first layer (
 benchmarks/results/overlap_20261124.md measured exactly this). Chunks and priority fix it:
 
   - every bucket is split into chunks of about `chunk_bytes`;
-  - the launch order is the one a priority scheduler would issue if it launched a chunk each
-    time the link is idle, choosing among the chunks whose bucket is full the one the next
-    forward reads first (list scheduling on the profile's ready times and the link model).
-    Early in backward only the last layers' chunks are ready and they keep the link busy; when
-    the first layers' bucket fills, at most about one chunk is ahead of it.
-The order is computed once, by rank 0, and installed on every rank: at run time each entry
-launches when its bucket is full and the entry before it has launched, whatever the timing.
+  - the launch order is the one a priority scheduler would issue if it launched a chunk
+    whenever the bytes in flight leave room under a budget (by default: each time the link is
+    idle), choosing among the chunks whose bucket is full the one the next forward reads
+    first (list scheduling on the profile's ready times and the link model). Early in
+    backward only the last layers' chunks are ready and they keep the link busy; when the
+    first layers' bucket fills, at most the budget is ahead of it.
+Chunk size and budget are chosen by the model (best_schedule tries a grid), then by timing
+(pyreducer/tuning/overlap_control.py). The order is computed once, by rank 0, and installed on
+every rank: at run time each entry launches when its bucket is full and the entry before it
+has launched, whatever the timing. So the budget lives in the order: the bytes actually in
+flight follow the ranks' timing (a run-time limit would need launches from completion
+callbacks, on the backend's threads; not done).
 
 The step model of an overlapped step (`predict_ms`), per iteration:
     forward: for each bucket in the order the forward reads them, its compute segment, then a
@@ -38,6 +43,8 @@ from dataclasses import dataclass
 from pyreducer.tuning.linkmodel import LinkModel
 
 CHUNK_CANDIDATES_BYTES = (None, 8 << 20, 4 << 20, 2 << 20, 1 << 20, 512 << 10, 256 << 10)
+# in-flight budgets the planner tries with each chunk size (None: one chunk at a time)
+BUDGET_CANDIDATES_BYTES = (None, 4 << 20, 16 << 20)
 ITERATIONS = 8  # simulated iterations; the period is the last one's
 
 
@@ -110,6 +117,7 @@ class Schedule:
     chunks: list[int]   # per bucket
     chunk_bytes: int | None  # None: whole buckets
     predicted_ms: float = 0.0
+    budget_bytes: int | None = None  # the planner's in-flight budget (priority_order)
 
     def predict(self, profile: "OverlapProfile", link: LinkModel, ranks: int,
                 lanes: int = 1) -> "Schedule":
@@ -119,7 +127,9 @@ class Schedule:
 
     def describe(self) -> str:
         size = "whole buckets" if self.chunk_bytes is None else f"{self.chunk_bytes / 2**20:g} MB"
-        return f"chunks of {size}, {len(self.order)} all-reduces"
+        budget = "" if self.budget_bytes is None else \
+            f", up to {self.budget_bytes / 2**20:g} MB in flight"
+        return f"chunks of {size}, {len(self.order)} all-reduces{budget}"
 
 
 def chunk_counts(profile: OverlapProfile, chunk_bytes: int | None) -> list[int]:
@@ -134,21 +144,33 @@ def chunk_counts(profile: OverlapProfile, chunk_bytes: int | None) -> list[int]:
 
 
 def priority_order(profile: OverlapProfile, chunks: list[int], link: LinkModel,
-                   ranks: int) -> list[int]:
-    """The launch sequence of a priority scheduler on the profile (see the module doc): each
-    time the channel is idle, the ready chunk whose bucket the next forward reads first."""
+                   ranks: int, budget_bytes: int | None = None) -> list[int]:
+    """The launch sequence of a priority scheduler on the profile (see the module doc): it
+    issues a ready chunk, the one whose bucket the next forward reads first, whenever the bytes
+    in flight (issued, not yet done on a link that runs one all-reduce after the other) leave
+    room for it under `budget_bytes`, or nothing is in flight. None: one chunk at a time (each
+    time the link is idle). A larger budget keeps more of the early buckets' chunks queued
+    (the link never waits between them) at the price of more bytes ahead of the first layers'
+    bucket when it fills."""
     priority = {b: k for k, b in enumerate(profile.read_order)}
     left = list(chunks)
-    order, now = [], 0.0
+    order, now, link_free = [], 0.0, 0.0
+    flight: list[tuple[float, float]] = []  # (done, bytes) of the chunks issued
     while any(left):
+        flight = [(done, size) for done, size in flight if done > now]
         ready = [b for b, n in enumerate(left) if n and profile.ready_ms[b] <= now]
-        if not ready:
-            now = min(profile.ready_ms[b] for b, n in enumerate(left) if n)
+        b = min(ready, key=lambda c: (priority.get(c, len(priority)), c)) if ready else None
+        size = profile.size_bytes[b] / chunks[b] if ready else 0.0
+        in_flight = sum(s for _, s in flight)
+        if b is None or flight and (budget_bytes is None or in_flight + size > budget_bytes):
+            later = [profile.ready_ms[c] for c, n in enumerate(left)
+                     if n and profile.ready_ms[c] > now]
+            now = min([done for done, _ in flight] + later)  # the next event
             continue
-        b = min(ready, key=lambda c: (priority.get(c, len(priority)), c))
         order.append(b)
         left[b] -= 1
-        now += link.allreduce_s(profile.size_bytes[b] / chunks[b], ranks) * 1e3
+        link_free = max(now, link_free) + link.allreduce_s(size, ranks) * 1e3
+        flight.append((link_free, size))
     return order
 
 
@@ -227,24 +249,27 @@ def fifo_schedule(profile: OverlapProfile) -> Schedule:
 
 
 def planned_schedule(profile: OverlapProfile, chunk_bytes: int | None, link: LinkModel,
-                     ranks: int, lanes: int = 1) -> Schedule:
-    """Chunks of about `chunk_bytes` (None: whole buckets) in their priority order, predicted."""
+                     ranks: int, lanes: int = 1, budget_bytes: int | None = None) -> Schedule:
+    """Chunks of about `chunk_bytes` (None: whole buckets) in their priority order under the
+    in-flight budget `budget_bytes` (priority_order), predicted."""
     chunks = chunk_counts(profile, chunk_bytes)
-    order = priority_order(profile, chunks, link, ranks)
-    return Schedule(order, chunks, chunk_bytes).predict(profile, link, ranks, lanes)
+    order = priority_order(profile, chunks, link, ranks, budget_bytes)
+    return Schedule(order, chunks, chunk_bytes, budget_bytes=budget_bytes).predict(
+        profile, link, ranks, lanes)
 
 
 def best_schedule(profile: OverlapProfile, link: LinkModel, ranks: int,
-                  candidates=CHUNK_CANDIDATES_BYTES,
-                  lanes: int = 1) -> tuple[Schedule, list[Schedule]]:
-    """The schedule predicted fastest among the chunk sizes `candidates` (each with its
-    priority order) on a channel of `lanes`, and all the distinct ones (order and chunks),
-    torch DDP's order first."""
+                  candidates=CHUNK_CANDIDATES_BYTES, lanes: int = 1,
+                  budgets=BUDGET_CANDIDATES_BYTES) -> tuple[Schedule, list[Schedule]]:
+    """The schedule predicted fastest among the chunk sizes `candidates`, each with its
+    priority order under each in-flight budget of `budgets`, on a channel of `lanes`, and all
+    the distinct ones (order and chunks), torch DDP's order first."""
     options = [fifo_schedule(profile).predict(profile, link, ranks, lanes)]
     for chunk_bytes in candidates:
-        option = planned_schedule(profile, chunk_bytes, link, ranks, lanes)
-        if all((option.order, option.chunks) != (s.order, s.chunks) for s in options):
-            options.append(option)
+        for budget_bytes in budgets:
+            option = planned_schedule(profile, chunk_bytes, link, ranks, lanes, budget_bytes)
+            if all((option.order, option.chunks) != (s.order, s.chunks) for s in options):
+                options.append(option)
     # fewer all-reduces first among equals: a 1% predicted gain is not worth more launches
     best = min(options, key=lambda s: (round(s.predicted_ms / max(options[0].predicted_ms,
                                                                     1e-9), 2), len(s.order)))

@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 STEPS = 6
@@ -339,9 +340,50 @@ def events_worker(rank, world_size):
     records = model.timeline(3)
     stats = model.overlap_stats(3)
     trace = chrome_trace([records])
-    return dict(records=records, stats=stats,
-                names=sorted({re.sub(r" \d+$", "", e["name"].split(" (")[0])
+    owners = {b["index"]: sorted({n.rsplit(".", 1)[0] for n in b["params"]})
+              for b in model.bucket_plan()}
+    return dict(records=records, stats=stats, owners=owners, tied=tied_reads(),
+                waits=[e["args"]["module"] for e in trace["traceEvents"]
+                       if e.get("cat") == "wait" and "args" in e],
+                names=sorted({re.sub(r" \d+( in .*)?$", "", e["name"].split(" (")[0])
                               for e in trace["traceEvents"] if e.get("ph") == "X"}))
+
+
+class ReadsChildWeight(nn.Module):
+    """The parent reads its child's weight (F.linear), the child's forward never runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 64)  # 16 KB: a bucket of its own at 0.01 MB
+
+    def forward(self, x):
+        return self.out(torch.tanh(F.linear(x, self.inner.weight, self.inner.bias)))
+
+
+def tied_reads():
+    """Which module each wait of a ReadsChildWeight model is charged to."""
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(ReadsChildWeight(), bucket_cap_mb=0.01)
+    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                  schedule="fifo")
+    for _ in range(3):
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    plan = model.bucket_plan()
+    charged = {}
+    records = model.timeline(3)
+    for rec in records:
+        if not rec["overlap"]["forward_end_ns"] or \
+                rec["plan_version"] != records[-1]["plan_version"]:
+            continue  # the last backward (updated outside a forward); the first plan's
+        for u in rec["overlap"]["updates"]:
+            for name in plan[u["bucket"]]["params"]:
+                charged.setdefault(name, set()).add(u["module"])
+    return {name: sorted(m or "" for m in modules) for name, modules in charged.items()}
 
 
 def test_timeline_shows_the_next_forward_and_each_update(ranks_once):
@@ -360,3 +402,13 @@ def test_timeline_shows_the_next_forward_and_each_update(ranks_once):
             assert s["forward_wait_ms"] >= 0 and s["update_ms"] > 0
             assert s["hidden_forward_comm_ms"] >= 0 and s["exposed_comm_ms"] >= 0
         assert {"next forward", "update bucket", "wait bucket"} <= set(r["names"]), r["names"]
+        # every wait is charged to the layer that read the bucket's parameters
+        for rec in done:
+            for u in rec["overlap"]["updates"]:
+                assert u["module"] in r["owners"][u["bucket"]], (u, r["owners"])
+        assert set(r["waits"]) <= {"0", "2", "4"} and r["waits"], r["waits"]
+        by_module = r["stats"]["forward_wait_by_module_ms"]
+        assert set(by_module) <= {"0", "2", "4"} and all(v >= 0 for v in by_module.values())
+        assert list(by_module.values()) == sorted(by_module.values(), reverse=True)
+        # a weight read by its parent (F.linear) is charged to the parent, not to its module
+        assert r["tied"]["inner.weight"] == ["(root)"] and r["tied"]["out.weight"] == ["out"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 CASES = [("transformer", None), ("resnet", 0.25), ("deep_narrow", 0.5), ("mlp_large", 8.0),
-         ("tied", 0.001), ("cnn", None)]
+         ("tied", 0.001), ("cnn", None), ("vgg", None)]
 
 
 def plans_worker(rank, world_size):

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from pyreducer import timeline
 from pyreducer.observe import InputError, plot, report
 
 
@@ -40,10 +41,10 @@ def _overlapped(iteration, start_ns):
     record["overlap"] = dict(forward_start_ns=base + 8_200_000, forward_end_ns=base + 12_000_000,
                              updates=[dict(bucket=1, read_ns=base + 8_300_000,
                                            reduced_ns=base + 8_900_000,
-                                           updated_ns=base + 9_100_000),
+                                           updated_ns=base + 9_100_000, module="layer1"),
                                       dict(bucket=0, read_ns=base + 10_000_000,
                                            reduced_ns=base + 10_000_000,
-                                           updated_ns=base + 10_200_000)])
+                                           updated_ns=base + 10_200_000, module=None)])
     return record
 
 
@@ -54,6 +55,11 @@ def test_overlap_gantt_draws_two_iterations(tmp_path):
     assert result["paths"]["overlap_gantt.png"].endswith("overlap_gantt.png")
     with pytest.raises(ValueError, match="two consecutive"):
         plot.overlap_gantt(records[:1], tmp_path / "one.png")
+    # the forward waited 0.6 ms in layer1 (bucket 1) and 0 for bucket 0, read by no module
+    waits = timeline.overlap_stats(records)["forward_wait_by_module_ms"]
+    assert waits == {"layer1": pytest.approx(0.6), timeline.OUTSIDE: 0.0}
+    assert "by module that read (mean ms per iteration): layer1 0.60, (no module" in \
+        (tmp_path / "summary.txt").read_text()
 
 
 def test_without_matplotlib_the_report_says_how_to_get_plots(tmp_path, monkeypatch):

@@ -112,3 +112,22 @@ def test_channel_lanes_share_the_wire_and_overlap_latency():
         pytest.approx([12.0, 4.0, 8.0])
     # launched later than the channel frees: starts at its launch
     assert channel_done_ms([0.0, 10.0], [1.0, 1.0], 0.5, lanes=2) == pytest.approx([1.5, 11.5])
+
+
+def test_in_flight_budget_lets_more_chunks_ahead():
+    profile = three_buckets()
+    chunks = chunk_counts(profile, MB)
+    # 2 MB in flight (two 1 ms chunks): t=1 bucket 0 twice (done 2, 3); t=2 one slot frees,
+    # bucket 1 is full and read first: 1 (done 4); t=3 bucket 2 (done 5); t=4, 5, 6: bucket 2's
+    # other three chunks; then 1's three; then 0's last two
+    assert priority_order(profile, chunks, LINK, 2, budget_bytes=2 * MB) == \
+        [0, 0, 1, 2, 2, 2, 2, 1, 1, 1, 0, 0]
+    # a budget below one chunk still launches one at a time (never nothing)
+    assert priority_order(profile, chunks, LINK, 2, budget_bytes=1) == \
+        priority_order(profile, chunks, LINK, 2)
+    # a budget as large as everything: each chunk as soon as its bucket is full
+    assert priority_order(profile, chunks, LINK, 2, budget_bytes=12 * MB) == \
+        [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+    best, options = best_schedule(profile, LINK, 2, candidates=(MB,), budgets=(None, 2 * MB))
+    assert {o.budget_bytes for o in options[1:]} == {None, 2 * MB}
+    assert "up to 2 MB in flight" in [o for o in options if o.budget_bytes][0].describe()

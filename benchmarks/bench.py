@@ -124,6 +124,10 @@ def table(result) -> str:
             lines.append(f"    backward while a flat all-reduce runs: "
                          f"{entry['backward_under_comm_ms']:.1f} ms; bound with it: "
                          f"{entry['contended_bound_ms']:.1f} ms")
+        if "contended_floor_ms" in entry:
+            lines.append(f"    forward + backward beside one flat all-reduce: "
+                         f"{entry['compute_under_comm_ms']:.1f} ms; floor with contention = "
+                         f"max(that + step, comm) = {entry['contended_floor_ms']:.1f} ms")
     return "\n".join(lines)
 
 

@@ -30,7 +30,8 @@ VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overl
             "overlap")
 OVERLAPPED = ("overlapped", "overlap")  # with the overlapped optimizer
 AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
-OVERLAP_WARMUP = 30  # the overlapped optimizer plans after ~6 steps, then times 3 x 5 steps
+OVERLAP_WARMUP = 35  # the overlapped optimizer plans after ~6 steps, then times 4 x 5 steps
+# (its three best schedules and the step barrier)
 
 
 class Plain:
@@ -158,27 +159,33 @@ def slowest_rank_split(split, comm_ms) -> tuple[float, float, float, int]:
     return fwd, bwd, opt_step, rank
 
 
-def backward_under_comm_ms(spec, base, batch_size, reps=5) -> float:
-    """Median backward time of the compute-only model while one flat all-reduce of all
-    gradients runs in the background (issued just before backward, waited after). On these
-    emulated hosts a rank's one core also runs Gloo and the kernel's network stack, so
-    communication is not free for compute; the overlap bound assumes it is."""
+def compute_under_comm_ms(spec, base, batch_size, reps=5) -> tuple[float, float]:
+    """Compute-only model beside one flat all-reduce of all gradients (issued just before the
+    phase timed, waited after): median (backward, forward + backward) times, each under its
+    own all-reduce. The second is one step's compute beside one step's communication, the
+    floor with contention. On these emulated hosts a rank's one core also runs Gloo and the
+    kernel's network stack, so communication is not free for compute; the floor and the
+    overlap bound assume it is."""
     model = Plain(copy.deepcopy(base), "compute")
     numel = sum(p.numel() for p in base.parameters())
     flat = torch.ones(numel)
     gen = torch.Generator().manual_seed(5)
-    samples = []
-    for _ in range(reps):
+    backward, both = [], []
+    for rep in range(2 * reps):
         batch = spec.batch(gen, batch_size)
         model.module.zero_grad(set_to_none=True)
-        loss = spec.loss(model, batch)
+        whole = rep % 2 == 1  # alternately: the backward alone, the forward and backward
+        loss = None if whole else spec.loss(model, batch)
         dist.barrier()
         work = dist.all_reduce(flat, async_op=True)
         start = time.perf_counter()
+        if whole:
+            loss = spec.loss(model, batch)
         loss.backward()
-        samples.append(slowest(time.perf_counter() - start) * 1e3)
+        elapsed = time.perf_counter() - start
         work.wait()
-    return statistics.median(samples)
+        (both if whole else backward).append(slowest(elapsed) * 1e3)
+    return statistics.median(backward), statistics.median(both)
 
 
 def main():
@@ -283,9 +290,12 @@ def main():
                                              rank=slow_rank)
             entry["bound_ms"] = fwd + max(bwd, comm_ms) + opt_step
             entry["floor_ms"] = max(fwd + bwd + opt_step, comm_ms)  # with the barrier gone
-            contended = backward_under_comm_ms(spec, base, batch_size)
+            contended, loaded = compute_under_comm_ms(spec, base, batch_size)
             entry["backward_under_comm_ms"] = contended
+            entry["compute_under_comm_ms"] = loaded
             entry["contended_bound_ms"] = fwd + max(contended, comm_ms) + opt_step
+            # no barrier, one step's compute as slow as it is beside one step's communication
+            entry["contended_floor_ms"] = max(loaded + opt_step, comm_ms)
         if "pyreducer" in built:
             entry["buckets"] = len(built["pyreducer"].bucket_plan())
             entry["pyreducer_stats"] = built["pyreducer"].overlap_stats(last=5)["mean"]
@@ -294,7 +304,9 @@ def main():
             entry["profile"] = vars(built["pyreducer"].profile(fwd_ms, opt_ms, last=5))
         for v in OVERLAPPED:
             if v in built:
-                entry[f"{v}_stats"] = built[v].overlap_stats(last=5)["mean"]
+                stats = built[v].overlap_stats(last=5)
+                entry[f"{v}_stats"] = stats["mean"]
+                entry[f"{v}_waits_by_module_ms"] = stats.get("forward_wait_by_module_ms", {})
                 entry[f"{v}_buckets"] = len(built[v].bucket_plan())
                 entry[f"{v}_schedule"] = opts[v].schedule_log  # what was planned
                 entry[f"{v}_timeline"] = built[v].timeline(4)  # rank 0's

@@ -3,6 +3,7 @@
     python benchmarks/tables.py result.json            # one row per (model, link, hosts, cap)
     python benchmarks/tables.py result.json --sweep    # pyreducer / torch DDP per cap (paired)
     python benchmarks/tables.py result.json --plot sweep.png   # step time vs cap, a panel a model
+    python benchmarks/tables.py result.json --overlap  # the overlapped optimizer against its targets
 Columns that a run did not measure are shown as "-".
 """
 from __future__ import annotations
@@ -88,6 +89,36 @@ def sweep_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def overlap_table(doc: dict, variant: str = "overlap") -> str:
+    """The overlapped variant against issue 14's targets, one row per (model, link, hosts,
+    cap): / torch DDP (paired), / the autotuned barrier, / the floor without the barrier, / the
+    floor with contention (compute slowed as it is beside communication), the schedule chosen
+    and its prediction against the benchmark's time."""
+    head = ["link", "hosts", "model", "cap", "torch DDP", "auto (barrier)", variant,
+            f"{variant} / DDP (95% CI)", f"{variant} / auto", "floor", f"{variant} / floor",
+            "floor with contention", f"{variant} / it", "schedule chosen",
+            "predicted / measured"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in doc["runs"]:
+        for cap, e in run["results"].items():
+            if variant not in e:
+                continue
+            chosen = [x for x in e.get(f"{variant}_schedule", []) if x["event"] == "chosen"]
+            schedule, predicted = "-", "-"
+            if chosen:
+                schedule = chosen[-1]["describe"]
+                predicted = f"{chosen[-1]['predicted_ms'] / e[variant]['median_ms']:.2f}"
+            lines.append("| " + " | ".join([
+                run["link"], str(run["hosts"]), run["model"], cap, _ms(e, "torch"),
+                _ms(e, "auto"), _ms(e, variant), _paired(e, variant),
+                (f"{e[variant]['median_ms'] / e['auto']['median_ms']:.3f}" if "auto" in e
+                 else "-"),
+                f"{e['floor_ms']:.1f}" if "floor_ms" in e else "-", _over(e, variant, "floor_ms"),
+                f"{e['contended_floor_ms']:.1f}" if "contended_floor_ms" in e else "-",
+                _over(e, variant, "contended_floor_ms"), schedule, predicted]) + " |")
+    return "\n".join(lines)
+
+
 def plot_sweep(runs: list[dict], path: str) -> None:
     """Step time vs bucket cap: one panel per model, colour = link and hosts, dashed = torch DDP,
     solid = pyreducer; DDP's default caps (1 MiB first bucket, then 25 MB) as a marker at 25."""
@@ -132,6 +163,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--overlap", action="store_true",
+                        help="the overlapped optimizer's table (variant 'overlap')")
     parser.add_argument("--plot", help="write the sweep plot (PNG) here instead of a table")
     args = parser.parse_args(argv)
     with open(args.json) as f:
@@ -140,7 +173,8 @@ def main(argv=None) -> int:
         plot_sweep(doc["runs"], args.plot)
         print(f"wrote {args.plot}")
         return 0
-    print(sweep_table(doc) if args.sweep else main_table(doc))
+    print(overlap_table(doc) if args.overlap else sweep_table(doc) if args.sweep
+          else main_table(doc))
     return 0
 
 

@@ -189,7 +189,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // See Note [Deferred completion]. Turning it off completes what is pending. `on_deferred`
   // (may be empty) runs at the end of each backward that left reductions pending, on the
-  // autograd thread, outside the Reducer's lock. Python thread, between iterations.
+  // autograd thread, outside the Reducer's lock. Python thread, between iterations (also
+  // after a forward whose backward has not started); std::runtime_error during a backward.
   void set_deferred_completion(bool deferred, std::function<void()> on_deferred = {});
 
   // Waits for bucket b's reduction (bounded by the process group's timeout) and writes its

@@ -315,9 +315,10 @@ std::vector<int64_t> Reducer::pending_buckets() const {
 
 void Reducer::set_deferred_completion(bool deferred, std::function<void()> on_deferred) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (armed_ || finalize_queued_) {
+  // Read when a backward ends: armed by a forward whose backward has not started is fine.
+  if (finalize_queued_ || backward_started_ || num_ready_ > 0) {
     throw std::runtime_error("pyreducer: deferred completion can only be switched between "
-                             "iterations (not between a synced forward and its backward)");
+                             "iterations (not during a backward or before its end)");
   }
   if (!deferred) complete_all_locked();
   deferred_ = deferred;

@@ -125,7 +125,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.optimizer, self.reducer, self.params = optimizer, reducer, params
         self.max_grad_norm, self.hold_back = max_grad_norm, hold_back
         self.tuner = None if schedule == "fifo" else ScheduleTuner(
-            tuning, self.events, autotune, settle=self.synchronize,
+            tuning, self.events, autotune, settle=self.synchronize, set_barrier=self._set_barrier,
             chunk_bytes=int(schedule * 2**20) if fixed_mb else None)
         # Buckets whose parameters wear the pending class: reduction in flight, and (once
         # step() was called: self.stepped) their update too.
@@ -145,7 +145,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # A weak reference: the C++ Reducer holding this optimizer strongly would be a cycle the
         # garbage collector cannot see through.
         ended = weakref.WeakMethod(self._backward_ended)
-        reducer.set_deferred_completion(True, lambda: ended() and ended()())
+        self.on_deferred = lambda: ended() and ended()()
+        self.barrier = False  # torch DDP's step (the tuner measures it against the overlap)
+        reducer.set_deferred_completion(True, self.on_deferred)
         # The modules whose forward is running, innermost last: a wait is charged to the
         # module that read the parameter (events(): "module").
         self.names = {id(m): name or "(root)" for name, m in module.named_modules()}
@@ -250,6 +252,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
         """Completes every pending update and every reduction still in flight."""
         self._update_all()
         self.reducer.complete_all()
+
+    def _set_barrier(self, barrier: bool) -> None:
+        """Between iterations: torch DDP's step barrier (every reduction completes at the
+        backward's end; step() updates everything at once) or the overlapped step."""
+        if barrier != self.barrier:
+            self.synchronize()
+            self.reducer.set_deferred_completion(not barrier, self.on_deferred)
+            self.barrier = barrier
 
     def update_parameter(self, param: torch.Tensor) -> None:
         """A read of `param` is coming: its bucket is reduced (and updated if step() was

@@ -12,7 +12,9 @@ behind the reductions in flight and erase the overlap being measured; the ranks'
 together by their collectives) and broadcasts which was fastest; every rank installs that one
 for good. The model ranks the candidates (its predictions were 4-13% off on the bench models:
 benchmarks/results/overlap_schedule_20261124.md), measurement decides among the best few, as
-bucket autotune does. With a fixed chunk size there is one candidate, installed at once. A new
+bucket autotune does; torch DDP's step barrier (deferred completion off: every reduction
+completes at the backward's end) is always measured too, so the overlapped optimizer is never
+kept slower than the step it replaces. With a fixed chunk size there is one candidate, installed at once. A new
 bucket plan (rebuild, apply_bucket_plan) resets the Reducer to torch DDP's order, and the
 schedule is planned again for it after `warmup` more iterations.
 """
@@ -37,10 +39,11 @@ TRIAL_ITERATIONS = 4  # steps timed per candidate (after one to let it take over
 class ScheduleTuner:
     """schedule="auto" (or a fixed chunk size) of one OverlapOptimizer."""
 
-    def __init__(self, tuning, events, autotune=None, settle=None,
+    def __init__(self, tuning, events, autotune=None, settle=None, set_barrier=None,
                  warmup: int = WARMUP_ITERATIONS, chunk_bytes: int | None = None):
         self.tuning, self.events, self.autotune = tuning, events, autotune
         self.settle = settle  # completes what is in flight: the probe must not wait behind it
+        self.set_barrier = set_barrier  # set_barrier(True): torch DDP's step, nothing deferred
         self.chunk_bytes = chunk_bytes  # fixed by the user; None: chosen by the model
         self.warmup = warmup
         self.link = None
@@ -66,6 +69,8 @@ class ScheduleTuner:
         plan = self.reducer.plan_version()  # a new plan resets the Reducer's launch order
         if self.trial is not None and plan != self.planned_for:  # a new plan: start again
             self.trial, self.trials, self.measured = None, [], []
+        if plan != self.planned_for and self.set_barrier is not None:
+            self.set_barrier(False)  # the profile needs overlapped iterations
         if self.trial is not None:
             self._measure()
             return
@@ -91,6 +96,8 @@ class ScheduleTuner:
             self._next_trial()
 
     def _install(self, schedule: dict, event: str, **fields) -> None:
+        if self.set_barrier is not None:
+            self.set_barrier(schedule.get("barrier", False))
         self.reducer.set_launch_order(schedule["order"], schedule["chunks"])
         entry = {**schedule, "event": event, **fields}
         if event == "chosen":
@@ -160,6 +167,11 @@ class ScheduleTuner:
         if self.chunk_bytes is None:  # the model's best few (distinct), to be measured
             options = schedule_model.best_schedule(profile, self.link, ranks, lanes=lanes)[1]
             trials = sorted(options, key=lambda o: o.predicted_ms)[:TRIALS]
+            if self.set_barrier is not None:  # and the step it replaces: never slower than it
+                barrier = schedule_model.barrier_schedule(profile).predict(
+                    profile, self.link, ranks, lanes)
+                options.append(barrier)
+                trials.append(barrier)
         else:  # the user's size, in the planned order (fifo predicted alongside, as a reference)
             options = [schedule_model.fifo_schedule(profile).predict(profile, self.link, ranks,
                                                                      lanes),
@@ -167,12 +179,13 @@ class ScheduleTuner:
                                                        ranks, lanes)]
             trials = options[-1:]
         return dict(trials=[dict(order=o.order, chunks=o.chunks, chunk_bytes=o.chunk_bytes,
-                                 budget_bytes=o.budget_bytes, describe=o.describe(),
-                                 predicted_ms=o.predicted_ms)
+                                 budget_bytes=o.budget_bytes, barrier=o.barrier,
+                                 describe=o.describe(), predicted_ms=o.predicted_ms)
                             for o in trials],
                     fifo_predicted_ms=options[0].predicted_ms,
                     candidates=[dict(chunk_bytes=o.chunk_bytes, budget_bytes=o.budget_bytes,
-                                     all_reduces=len(o.order), predicted_ms=o.predicted_ms)
+                                     barrier=o.barrier, all_reduces=len(o.order),
+                                     predicted_ms=o.predicted_ms)
                                 for o in options],
                     lanes=lanes,
                     link=dict(latency_s=self.link.latency_s,

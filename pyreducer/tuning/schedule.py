@@ -118,14 +118,19 @@ class Schedule:
     chunk_bytes: int | None  # None: whole buckets
     predicted_ms: float = 0.0
     budget_bytes: int | None = None  # the planner's in-flight budget (priority_order)
+    barrier: bool = False  # torch DDP's step: every reduction completes at backward's end
+
 
     def predict(self, profile: "OverlapProfile", link: LinkModel, ranks: int,
                 lanes: int = 1) -> "Schedule":
         """Sets predicted_ms (predict_ms) and returns this schedule."""
-        self.predicted_ms = predict_ms(profile, self.order, self.chunks, link, ranks, lanes)
+        predict = predict_barrier_ms if self.barrier else predict_ms
+        self.predicted_ms = predict(profile, self.order, self.chunks, link, ranks, lanes)
         return self
 
     def describe(self) -> str:
+        if self.barrier:
+            return "torch DDP's step barrier (no overlap)"
         size = "whole buckets" if self.chunk_bytes is None else f"{self.chunk_bytes / 2**20:g} MB"
         budget = "" if self.budget_bytes is None else \
             f", up to {self.budget_bytes / 2**20:g} MB in flight"
@@ -208,6 +213,31 @@ def channel_done_ms(launch_ms: list[float], wire_ms: list[float], latency_ms: fl
     return done
 
 
+def _backward(profile: OverlapProfile, order: list[int], chunks: list[int], link: LinkModel,
+              ranks: int, lanes: int, backward_start: float) -> tuple[list[float], float, float]:
+    """One backward from `backward_start`: (done per bucket, the backward's delay from
+    contention, the contention carried into what follows it)."""
+    count = len(profile.size_bytes)
+    latency_ms = link.latency_s * 1e3 if ranks > 1 else 0.0
+    backward_end = backward_start + profile.backward_ms
+    delay, launch, carry_ms = 0.0, -math.inf, 0.0
+    launches, wires = [], []
+    for b in order:
+        size = profile.size_bytes[b] / chunks[b]
+        launch = max(launch, backward_start + profile.ready_ms[b] + delay)
+        launches.append(launch)
+        wires.append(link.wire_s(size, ranks) * 1e3)
+        stolen = link.contention * wires[-1]
+        if launch < backward_end + delay:
+            delay += stolen  # compute of this backward
+        else:
+            carry_ms += stolen  # compute of what follows
+    done = [-math.inf] * count
+    for b, finished in zip(order, channel_done_ms(launches, wires, latency_ms, lanes)):
+        done[b] = max(done[b], finished)
+    return done, delay, carry_ms
+
+
 def predict_ms(profile: OverlapProfile, order: list[int], chunks: list[int], link: LinkModel,
                ranks: int, lanes: int = 1) -> float:
     """The overlapped step's period under the step model of the module doc, on a channel of
@@ -215,31 +245,32 @@ def predict_ms(profile: OverlapProfile, order: list[int], chunks: list[int], lin
     count = len(profile.size_bytes)
     done = [-math.inf] * count  # the previous backward's reductions
     start, starts, carry_ms = 0.0, [], 0.0
-    latency_ms = link.latency_s * 1e3 if ranks > 1 else 0.0
     for _ in range(ITERATIONS):
         starts.append(start)
         t = start
         for k, b in enumerate(profile.read_order):
             t = max(t + profile.segment_ms[k], done[b]) + profile.update_ms[b]
         backward_start = t + profile.tail_ms + carry_ms  # every reduction is complete here
-        backward_end = backward_start + profile.backward_ms
-        delay, launch, carry_ms = 0.0, -math.inf, 0.0
-        launches, wires = [], []
-        for b in order:
-            size = profile.size_bytes[b] / chunks[b]
-            launch = max(launch, backward_start + profile.ready_ms[b] + delay)
-            launches.append(launch)
-            wires.append(link.wire_s(size, ranks) * 1e3)
-            stolen = link.contention * wires[-1]
-            if launch < backward_end + delay:
-                delay += stolen  # compute of this backward
-            else:
-                carry_ms += stolen  # compute of the next forward
-        done = [-math.inf] * count
-        for b, finished in zip(order, channel_done_ms(launches, wires, latency_ms, lanes)):
-            done[b] = max(done[b], finished)
-        start = backward_end + delay + profile.gap_ms
+        done, delay, carry_ms = _backward(profile, order, chunks, link, ranks, lanes,
+                                          backward_start)
+        start = backward_start + profile.backward_ms + delay + profile.gap_ms
     return starts[-1] - starts[-2]
+
+
+def predict_barrier_ms(profile: OverlapProfile, order: list[int], chunks: list[int],
+                       link: LinkModel, ranks: int, lanes: int = 1) -> float:
+    """torch DDP's step under the same model: the forward's compute and updates without waits,
+    the backward, then whatever communication is left (nothing crosses the step)."""
+    forward = sum(profile.segment_ms) + profile.tail_ms + sum(profile.update_ms)
+    done, delay, _ = _backward(profile, order, chunks, link, ranks, lanes, 0.0)
+    return forward + max([profile.backward_ms + delay] + done) + profile.gap_ms
+
+
+def barrier_schedule(profile: OverlapProfile) -> Schedule:
+    """torch DDP's order and its step barrier: what the overlapped step must beat."""
+    count = len(profile.size_bytes)
+    return Schedule(order=list(range(count)), chunks=[1] * count, chunk_bytes=None,
+                    barrier=True)
 
 
 def fifo_schedule(profile: OverlapProfile) -> Schedule:

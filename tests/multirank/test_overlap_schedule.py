@@ -152,8 +152,8 @@ def trials_worker(rank, world_size):
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False)
         if name == "ours":
             opt = model.overlap_optimizer(opt)
-        # rebuild, warm-up, then each trial takes 1 + TRIAL_ITERATIONS steps
-        steps = 8 + overlap_control.TRIALS * (overlap_control.TRIAL_ITERATIONS + 1) + 3
+        # rebuild, warm-up, then each trial (the barrier's too) takes 1 + TRIAL_ITERATIONS steps
+        steps = 8 + (overlap_control.TRIALS + 1) * (overlap_control.TRIAL_ITERATIONS + 1) + 3
         gen = torch.Generator().manual_seed(rank)
         for step in range(steps):
             if name == "ours" and step % 3 == 0:  # a forward whose backward never comes: the
@@ -163,7 +163,17 @@ def trials_worker(rank, world_size):
             model.synchronize()
             out["log"] = opt.schedule_log
             out["set"] = (model.reducer.launch_order(), model.reducer.launch_chunks())
+            out["barrier_now"] = opt.barrier
         out[name] = [p.detach().clone() for p in model.parameters()]
+    # both modes by hand, between iterations: what a backward leaves in flight
+    in_flight = {}
+    for barrier in (True, False, True):
+        opt._set_barrier(barrier)
+        model(torch.randn(8, WIDTH)).sum().backward()
+        in_flight[barrier] = (len(model.reducer.pending_buckets()), len(opt.pending))
+        opt.step()
+        opt.zero_grad()
+    out["in_flight"] = in_flight
     return out
 
 
@@ -174,15 +184,27 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
         events = [e["event"] for e in r["log"]]
         trials = len(r["log"][0]["trials"])
         assert events == ["planned"] + ["measured"] * trials + ["chosen"], events
-        assert 2 <= trials <= 3  # whole buckets in two orders at least, and chunks of 256 KB
+        # whole buckets in two orders at least, chunks of 256 KB; and torch DDP's barrier
+        assert 3 <= trials <= overlap_control_trials() + 1
+        assert r["log"][0]["trials"][-1]["barrier"]
+        assert "barrier" in r["log"][-2]["describe"]  # measured last
         chosen = r["log"][-1]
         assert r["set"] == (chosen["order"], chosen["chunks"])
+        assert r["barrier_now"] == chosen["barrier"]
+        # barrier: the backward completes everything; overlapped: the last buckets stay in flight
+        assert r["in_flight"][True] == (0, 0) and r["in_flight"][False][0] > 0
         for ours, theirs in zip(r["ours"], r["torch"]):
             assert torch.equal(ours, theirs)
     # rank 0's times decide, and every rank installs its choice
     assert all(log[-1]["order"] == logs[0][-1]["order"] for log in logs)
     assert results[0]["log"][-1]["measured_ms"] == min(m["measured_ms"]
                                                        for m in results[0]["log"][1:-1])
+
+
+def overlap_control_trials():
+    from pyreducer.tuning import overlap_control
+
+    return overlap_control.TRIALS
 
 
 def errors_worker(rank, world_size):

@@ -53,3 +53,18 @@ def test_tables_render_ratios_bounds_and_sweeps():
     sweep = tables.sweep_table(doc)
     assert "| 0.990 | 1.010 |" in sweep and "| 1 (90.0, 90.9) | 0.918 |" in sweep
     assert "over 2 points: median 1.000" in sweep
+
+
+def test_overlap_table_against_the_targets():
+    entry = {"torch": summarize([0.400]), "auto": summarize([0.300]),
+             "overlap": summarize([0.240]), "floor_ms": 200.0, "contended_floor_ms": 230.0,
+             "paired_vs_torch": {"overlap": paired_ratio([240.0] * 3, [400.0] * 3)},
+             "overlap_schedule": [{"event": "planned"},
+                                  {"event": "chosen", "describe": "chunks of 4 MB, 10 all-reduces",
+                                   "predicted_ms": 252.0}]}
+    doc = {"runs": [{"model": "vgg", "link": "1gbit", "hosts": 2,
+                     "results": {"default": entry, "4": {"torch": summarize([0.4])}}}]}
+    lines = tables.overlap_table(doc).splitlines()
+    assert len(lines) == 3  # the cap without the overlap variant has no row
+    assert "| 0.600 (0.600-0.600) | 0.800 | 200.0 | 1.200 | 230.0 | 1.043 |" in lines[2]
+    assert lines[2].endswith("| chunks of 4 MB, 10 all-reduces | 1.05 |")

@@ -5,8 +5,9 @@ import math
 import pytest
 
 from pyreducer.tuning.linkmodel import LinkModel
-from pyreducer.tuning.schedule import (OverlapProfile, best_schedule, channel_done_ms,
-                                       chunk_counts, fifo_schedule, predict_ms, priority_order)
+from pyreducer.tuning.schedule import (OverlapProfile, barrier_schedule, best_schedule,
+                                       channel_done_ms, chunk_counts, fifo_schedule, predict_ms,
+                                       priority_order)
 
 MB = 1 << 20
 # 1 ms per MB, no latency, 2 ranks (ring factor 1): a bucket of s MB takes s ms
@@ -131,3 +132,15 @@ def test_in_flight_budget_lets_more_chunks_ahead():
     best, options = best_schedule(profile, LINK, 2, candidates=(MB,), budgets=(None, 2 * MB))
     assert {o.budget_bytes for o in options[1:]} == {None, 2 * MB}
     assert "up to 2 MB in flight" in [o for o in options if o.budget_bytes][0].describe()
+
+
+def test_barrier_prediction_by_hand():
+    profile = three_buckets()
+    barrier = barrier_schedule(profile).predict(profile, LINK, 2)
+    # forward 3 ms (no waits), backward from 3: buckets done at +5, +9, +13; the step ends
+    # with the last: 3 + 13 = 16 ms, one more than fifo across the step (15, above)
+    assert barrier.barrier and barrier.predicted_ms == pytest.approx(16.0)
+    assert barrier.describe() == "torch DDP's step barrier (no overlap)"
+    # compute-bound: the backward (30 ms) outlasts the communication, nothing is exposed
+    slow = three_buckets(backward_ms=30.0)
+    assert barrier_schedule(slow).predict(slow, LINK, 2).predicted_ms == pytest.approx(33.0)

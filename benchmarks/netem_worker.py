@@ -30,8 +30,8 @@ VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overl
             "overlap")
 OVERLAPPED = ("overlapped", "overlap")  # with the overlapped optimizer
 AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
-OVERLAP_WARMUP = 35  # the overlapped optimizer plans after ~6 steps, then times 4 x 5 steps
-# (its three best schedules and the step barrier)
+OVERLAP_WARMUP = 42  # the overlapped optimizer plans after ~6 steps, then times 2 rounds x 4 x 4
+# steps (its three best schedules and the step barrier)
 
 
 class Plain:
@@ -290,12 +290,12 @@ def main():
                                              rank=slow_rank)
             entry["bound_ms"] = fwd + max(bwd, comm_ms) + opt_step
             entry["floor_ms"] = max(fwd + bwd + opt_step, comm_ms)  # with the barrier gone
-            contended, loaded = compute_under_comm_ms(spec, base, batch_size)
+            contended, beside = compute_under_comm_ms(spec, base, batch_size)
             entry["backward_under_comm_ms"] = contended
-            entry["compute_under_comm_ms"] = loaded
+            entry["compute_under_comm_ms"] = beside
             entry["contended_bound_ms"] = fwd + max(contended, comm_ms) + opt_step
             # no barrier, one step's compute as slow as it is beside one step's communication
-            entry["contended_floor_ms"] = max(loaded + opt_step, comm_ms)
+            entry["contended_floor_ms"] = max(beside + opt_step, comm_ms)
         if "pyreducer" in built:
             entry["buckets"] = len(built["pyreducer"].bucket_plan())
             entry["pyreducer_stats"] = built["pyreducer"].overlap_stats(last=5)["mean"]

@@ -86,10 +86,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
         schedule: "auto" (default): after a few iterations, the buckets are all-reduced in
             chunks, in the order that serves the next forward first: the step model of
             pyreducer/tuning/schedule.py ranks chunk sizes from this run's timeline and a link
-            probe, the best few are each timed for a few steps, and the fastest is kept (on
-            every rank alike; see pyreducer/tuning/overlap_control.py; schedule_log says what
-            was planned, measured and chosen). "fifo": whole buckets in torch DDP's order (with 3 or more
-            ranks, the only schedule whose all-reduce sums are torch DDP's bit for bit). A
+            probe, the best few and torch DDP's step barrier are each timed for a few steps,
+            and the fastest is kept (on every rank alike; see
+            pyreducer/tuning/overlap_control.py; schedule_log says what was planned, measured
+            and chosen). "fifo": whole buckets in torch DDP's order (with 3 or more ranks, the
+            only schedule whose all-reduce sums are torch DDP's bit for bit). A
             number: chunks of that many MB, in the planned priority order (planned as "auto"
             is, without choosing the size).
         hold_back: with schedule="fifo": how many of the last buckets (the first layers', full
@@ -341,6 +342,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         """Before the wrapper's module runs (after any rebuild): the launch order for the coming
         backward, the same on every rank (schedule="fifo": it depends on the bucket count alone;
         "auto": see ScheduleTuner)."""
+        self.running = []  # a forward that raised may have left names behind
         if self.tuner is not None:
             if synced:
                 self.tuner.before_synced_forward()
@@ -350,7 +352,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
             order = list(range(count - held)) + list(range(count - 1, count - held - 1, -1))
             if self.reducer.launch_order() != order or set(self.reducer.launch_chunks()) != {1}:
                 self.reducer.set_launch_order(order)
-        self.running = []  # a forward that raised may have left names behind
         if self.current is not None and not self.current["forward_start_ns"]:
             self.current["forward_start_ns"] = _C.Reducer.now_ns()
 

@@ -4,19 +4,21 @@ what OverlapOptimizer(schedule="auto") delegates to (model: pyreducer/tuning/sch
 At the start of a synced forward, on every rank alike (the counters are synced forwards, the
 same everywhere): once `warmup` synced iterations ran with the bucket plan in force (and a
 bucket autotune, if any, has decided), the link is probed (collective, once), rank 0 builds an
-OverlapProfile from its timeline and the overlap events and broadcasts the TRIALS schedules the
-step model predicts fastest. Every rank then installs each in turn for 1 + TRIAL_ITERATIONS
-synced iterations (the first, whose backward ran under the previous schedule, is not timed);
-rank 0 times the steps between its synced forwards (no collective per step: it would wait
-behind the reductions in flight and erase the overlap being measured; the ranks' steps are tied
-together by their collectives) and broadcasts which was fastest; every rank installs that one
-for good. The model ranks the candidates (its predictions were 4-13% off on the bench models:
-benchmarks/results/overlap_schedule_20261124.md), measurement decides among the best few, as
-bucket autotune does; torch DDP's step barrier (deferred completion off: every reduction
-completes at the backward's end) is always measured too, so the overlapped optimizer is never
-kept slower than the step it replaces. With a fixed chunk size there is one candidate, installed at once. A new
-bucket plan (rebuild, apply_bucket_plan) resets the Reducer to torch DDP's order, and the
-schedule is planned again for it after `warmup` more iterations.
+OverlapProfile from its timeline and the overlap events and broadcasts the candidates: the
+TRIALS schedules the step model predicts fastest, and torch DDP's step barrier (deferred
+completion off: every reduction completes at the backward's end). Every rank then installs
+each in turn for 1 + TRIAL_ITERATIONS synced iterations (the first, whose backward ran under
+the previous schedule, is not timed), in ROUNDS rounds, every other one in reverse order so
+that a drift of the machine's speed weighs on all alike; rank 0 times the steps between its
+synced forwards (no collective per step: it would wait behind the reductions in flight and
+erase the overlap being measured; the ranks' steps are tied together by their collectives) and
+broadcasts which had the lowest median; every rank installs that one for good. The model ranks
+the schedules (its predictions were 1-13% off on the bench models: benchmarks/results/), and
+measurement decides among the best few, as bucket autotune does; the overlapped optimizer is
+not kept where it measured slower than the step it replaces (within the noise of a 6-step
+median). With a fixed chunk size there is one candidate, installed at once. A new bucket plan
+(rebuild, apply_bucket_plan) resets the Reducer to torch DDP's order, and the schedule is
+planned again for it after `warmup` more iterations.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ logger = logging.getLogger("pyreducer.overlap")
 WARMUP_ITERATIONS = 4  # synced iterations recorded with a plan before its schedule is made
 PROFILE_ITERATIONS = 3  # of which the profile takes the medians
 TRIALS = 3  # candidates measured, the model's best first
-TRIAL_ITERATIONS = 4  # steps timed per candidate (after one to let it take over)
+TRIAL_ITERATIONS = 3  # steps timed per candidate and round (after one to let it take over)
+ROUNDS = 2  # rounds over the candidates, the second in reverse order (drift cancels)
 
 
 class ScheduleTuner:
@@ -50,11 +53,13 @@ class ScheduleTuner:
         self.planned_for = None   # the plan version the installed schedule was made for
         self.seen_plan = None     # the plan version in force at the last synced forward ...
         self.since_change = 0     # ... and the synced forwards since it came into force
-        self.trials: list[dict] = []  # candidates still to be measured (every rank alike)
-        self.trial: dict | None = None  # the one being measured
-        self.samples: list[float] = []  # its step times (s), rank 0's clock
+        self.candidates: list[dict] = []  # the schedules being measured (every rank alike)
+        self.trials: list[int] = []  # candidates still to be measured in this round
+        self.trial: int | None = None  # the one being measured
+        self.round = 0
+        self.samples: list[list[float]] = []  # per candidate, its step times (s), rank 0's clock
+        self.pending_samples: list[float] = []  # the trial's in this round
         self.last_forward = None
-        self.measured: list[dict] = []  # candidates measured so far (with "measured_ms")
         self.log: list[dict] = []
 
     @property
@@ -68,7 +73,7 @@ class ScheduleTuner:
             return
         plan = self.reducer.plan_version()  # a new plan resets the Reducer's launch order
         if self.trial is not None and plan != self.planned_for:  # a new plan: start again
-            self.trial, self.trials, self.measured = None, [], []
+            self.trial, self.trials = None, []
         if plan != self.planned_for and self.set_barrier is not None:
             self.set_barrier(False)  # the profile needs overlapped iterations
         if self.trial is not None:
@@ -89,16 +94,18 @@ class ScheduleTuner:
         if choice is None:  # rank 0 could not profile: keep torch DDP's order
             return
         self.log.append(dict(event="planned", **choice))
-        self.trials = list(choice["trials"])
-        if len(self.trials) == 1:  # nothing to compare
-            self._install(self.trials.pop(), "chosen")
+        self.candidates = list(choice["trials"])
+        if len(self.candidates) == 1:  # nothing to compare
+            self._install(self.candidates[0], "chosen")
         else:
+            self.trials, self.round = list(range(len(self.candidates))), 0
+            self.samples = [[] for _ in self.candidates]
             self._next_trial()
 
     def _install(self, schedule: dict, event: str, **fields) -> None:
+        self.reducer.set_launch_order(schedule["order"], schedule["chunks"])
         if self.set_barrier is not None:
             self.set_barrier(schedule.get("barrier", False))
-        self.reducer.set_launch_order(schedule["order"], schedule["chunks"])
         entry = {**schedule, "event": event, **fields}
         if event == "chosen":
             self.log.append(entry)
@@ -111,31 +118,35 @@ class ScheduleTuner:
         """Installs the next candidate; its steps are timed from the second one (the first
         follows a backward launched under the previous schedule)."""
         self.trial = self.trials.pop(0)
-        self._install(self.trial, "trial")
-        self.samples, self.last_forward = [], time.perf_counter()
+        self._install(self.candidates[self.trial], "trial")
+        self.pending_samples, self.last_forward = [], time.perf_counter()
 
     def _measure(self) -> None:
         now = time.perf_counter()
         if self.last_forward is not None:
-            self.samples.append(now - self.last_forward)
+            self.pending_samples.append(now - self.last_forward)
         self.last_forward = now
-        if len(self.samples) < TRIAL_ITERATIONS + 1:
+        if len(self.pending_samples) < TRIAL_ITERATIONS + 1:
             return
-        self.trial["measured_ms"] = statistics.median(self.samples[1:]) * 1e3
-        self.log.append(dict(event="measured", describe=self.trial["describe"],
-                             measured_ms=self.trial["measured_ms"],
-                             predicted_ms=self.trial["predicted_ms"]))
-        self.measured.append(self.trial)
+        self.samples[self.trial] += self.pending_samples[1:]
         self.trial = None
+        if not self.trials and self.round + 1 < ROUNDS:
+            self.round += 1
+            self.trials = list(range(len(self.candidates)))[::-1 if self.round % 2 else 1]
         if self.trials:
             self._next_trial()
             return
+        for candidate, samples in zip(self.candidates, self.samples):
+            candidate["measured_ms"] = statistics.median(samples) * 1e3
+            self.log.append(dict(event="measured", describe=candidate["describe"],
+                                 measured_ms=candidate["measured_ms"],
+                                 predicted_ms=candidate["predicted_ms"]))
         params = self.tuning.params
         # rank 0's times decide (every rank's step is bound to the others' by the collectives)
-        best = min(range(len(self.measured)), key=lambda k: self.measured[k]["measured_ms"]) \
-            if params.rank == 0 else None
+        best = min(range(len(self.candidates)),
+                   key=lambda k: self.candidates[k]["measured_ms"]) if params.rank == 0 else None
         best = sync.from_rank0(best, params.process_group, params.device)
-        chosen, self.measured = self.measured[best], []
+        chosen = self.candidates[best]
         self._install(chosen, "chosen", measured_ms=chosen["measured_ms"])
 
     def _plan_or_none(self) -> dict | None:

@@ -120,7 +120,6 @@ class Schedule:
     budget_bytes: int | None = None  # the planner's in-flight budget (priority_order)
     barrier: bool = False  # torch DDP's step: every reduction completes at backward's end
 
-
     def predict(self, profile: "OverlapProfile", link: LinkModel, ranks: int,
                 lanes: int = 1) -> "Schedule":
         """Sets predicted_ms (predict_ms) and returns this schedule."""

@@ -154,10 +154,17 @@ def draw_overlap_gantts(result, path) -> None:
 
     for cap, entry in result["results"].items():
         for variant in ("overlapped", "overlap"):
-            if entry.get(f"{variant}_timeline"):
-                stem = path[:-4] if path.endswith(".png") else path
-                out = f"{stem}_{variant}_{result['model']}_{result['link']}_{cap}.png"
-                print("wrote", plot.overlap_gantt(entry[f"{variant}_timeline"], out), flush=True)
+            if not entry.get(f"{variant}_timeline"):
+                continue
+            if len(plot.overlapped_iterations(entry[f"{variant}_timeline"])) < 2:
+                print(f"no overlap Gantt for {variant} at cap {cap}: no recorded iterations "
+                      f"crossed the step (the schedule chosen was torch DDP's step barrier)",
+                      flush=True)
+                continue
+            stem = path[:-4] if path.endswith(".png") else path
+            out = (f"{stem}_{variant}_{result['model']}_{result['link']}_{result['hosts']}hosts_"
+                   f"{cap}.png")
+            print("wrote", plot.overlap_gantt(entry[f"{variant}_timeline"], out), flush=True)
 
 
 def environment(args):

@@ -42,7 +42,8 @@ autotune) then uses device times. That path is compiled, not run: no GPU has run
 
 With an overlapped optimizer (model.overlap_optimizer) a record also has "overlap": the span of
 the forward that followed its backward ("forward_start_ns", "forward_end_ns") and per bucket its
-update ("bucket", "read_ns", "reduced_ns", "updated_ns"; pyreducer/overlap.py); then also:
+update ("bucket", "read_ns", "reduced_ns", "updated_ns", "module": the module whose forward read
+it; pyreducer/overlap.py); then also:
 
     hidden_forward_comm_ms  the part of the communication union inside that next forward's
                        compute: its span minus its waits for all-reduces (communication during a

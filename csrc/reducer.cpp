@@ -231,7 +231,11 @@ void Reducer::begin_backward() {
     finalize_queued_ = true;
   }
   if (dynamic_find_unused() || static_after_first_iteration()) {
+    // As torch DDP: ready, but not part of the recorded order (a static graph's rebuild appends
+    // them after the parameters that got gradients, in index order; see rebuild_buckets).
+    const size_t recorded = ready_order_.size();
     for (size_t index : unused_) mark_ready(index);
+    ready_order_.resize(recorded);
   }
 }
 

@@ -3,15 +3,14 @@
 Every scenario trains the same model twice on each rank, once wrapped in torch's
 DistributedDataParallel and once in pyreducer's, from the same (deliberately rank-dependent)
 initialisation, so both must also broadcast rank 0's state. After STEPS steps every parameter,
-gradient and buffer must match torch DDP's (float32, atol 1e-6) and be bitwise identical across
-ranks.
+gradient and buffer must equal torch DDP's bit for bit (the same buckets sum in the same order;
+at 3 ranks static_graph once differed by 1e-8 because a never-used parameter was placed first
+in the rebuilt plan, found by the fuzzer) and be bitwise identical across ranks.
 """
 import pytest
 import torch
 
 from pyreducer.testing.parity import SCENARIOS, parity_worker
-
-ATOL = 1e-6
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"{ws}ranks")
@@ -30,11 +29,9 @@ def test_matches_torch_ddp(parity, name):
                 assert ours[key] is None and theirs[key] is None, f"rank {rank}: {key}"
                 continue
             assert ours[key].dtype == theirs[key].dtype, key
-            if ours[key].is_floating_point():
-                diff = (ours[key] - theirs[key]).abs().max().item()
-                assert diff <= ATOL, f"rank {rank}: {key} differs from torch DDP by {diff:.3g}"
-            else:
-                assert torch.equal(ours[key], theirs[key]), f"rank {rank}: {key}"
+            if not torch.equal(ours[key], theirs[key]):
+                diff = (ours[key].double() - theirs[key].double()).abs().max().item()
+                raise AssertionError(f"rank {rank}: {key} differs from torch DDP by {diff:.3g}")
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -9,7 +9,7 @@ CMAKE_BUILD := build/cmake
 PYTEST_ARGS ?=
 export MAX_JOBS ?= 2
 
-.PHONY: venv build demo test test-fast test-multirank test-netem cpp-test pytest bench cuda-build cuda-check gpu-test clean
+.PHONY: venv build demo test test-fast test-multirank test-netem cpp-test pytest bench fuzz cuda-build cuda-check gpu-test clean
 
 venv: $(DEPS_STAMP)
 
@@ -97,6 +97,12 @@ endif
 
 bench: build
 	$(VPY) benchmarks/bench_ddp.py --json benchmarks/results/latest.json
+
+# Differential fuzzing against torch DDP (tests/multirank/test_fuzz.py runs a 40-case slice).
+FUZZ_CASES ?= 500
+FUZZ_SEED ?= 1
+fuzz: build
+	$(VPY) -m pyreducer fuzz --cases $(FUZZ_CASES) --seed $(FUZZ_SEED) --json fuzz.json
 
 clean:
 	rm -rf build pyreducer/_C*.so

@@ -1,4 +1,5 @@
-"""Command line: `python -m pyreducer demo | trace | report | simulate | netem` (--help on each)."""
+"""Command line: `python -m pyreducer demo | trace | report | simulate | netem | fuzz` (--help on
+each)."""
 from __future__ import annotations
 
 import argparse
@@ -81,6 +82,14 @@ def netem_main(args) -> int:
         raise InputError(f"{error}; not running on loopback instead") from None
     print(f"netem: exit codes per rank: {codes}")
     return max(codes)
+
+
+def fuzz_main(args) -> int:
+    from pyreducer.tools import fuzz
+
+    if args.cases < 1 or args.batch < 1:
+        raise InputError(f"--cases and --batch must be >= 1, got {args.cases}, {args.batch}")
+    return fuzz.main(args.cases, args.seed, args.replay, args.batch, args.json)
 
 
 def simulate_main(args) -> int:
@@ -189,11 +198,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kill all ranks after this long; default 3600")
     netem.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                        help="the command every rank runs, after --: -- python train.py ...")
+    fuzz = commands.add_parser("fuzz", help="differential fuzzing against torch DDP: random "
+                                             "models and options, results compared bit for bit")
+    fuzz.add_argument("--cases", type=int, default=40, metavar="N",
+                      help="random cases to run; default 40")
+    fuzz.add_argument("--seed", type=int, default=0, metavar="S",
+                      help="run seed the cases are drawn from; default 0")
+    fuzz.add_argument("--replay", type=int, metavar="SEED",
+                      help="run the one case with this seed (as printed for a failure)")
+    fuzz.add_argument("--batch", type=int, default=10, metavar="N",
+                      help="cases per set of spawned ranks; default 10")
+    fuzz.add_argument("--json", metavar="PATH", help="write every case's outcome here")
     return parser
 
 
 COMMANDS = {"demo": demo_main, "trace": trace_main, "report": report_main,
-            "simulate": simulate_main, "netem": netem_main}
+            "simulate": simulate_main, "netem": netem_main, "fuzz": fuzz_main}
 
 
 def main(argv=None) -> int:

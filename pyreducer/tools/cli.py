@@ -142,6 +142,32 @@ def _add_training_options(parser, model_default: str, steps_default: int) -> Non
                         help=f"training steps; default {steps_default}")
 
 
+def _add_harness_commands(commands) -> None:
+    """`netem` and `fuzz`: running commands on emulated hosts, fuzzing against torch DDP."""
+    netem = commands.add_parser("netem", help="run a command as N ranks on emulated hosts "
+                                              "(needs root and iproute2)")
+    netem.add_argument("--hosts", type=int, default=2, metavar="N",
+                       help="emulated hosts, one rank each; default 2")
+    netem.add_argument("--rate", default="1gbit", metavar="RATE",
+                       help="each host's link rate in bits per second (tc syntax: 100mbit, "
+                            "1gbit, 10gbit) or 'unlimited'; default 1gbit")
+    netem.add_argument("--timeout", type=float, default=3600, metavar="SECONDS",
+                       help="kill all ranks after this long; default 3600")
+    netem.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                       help="the command every rank runs, after --: -- python train.py ...")
+    fuzz = commands.add_parser("fuzz", help="differential fuzzing against torch DDP: random "
+                                             "models and options, results compared bit for bit")
+    fuzz.add_argument("--cases", type=int, default=40, metavar="N",
+                      help="random cases to run; default 40")
+    fuzz.add_argument("--seed", type=int, default=0, metavar="S",
+                      help="run seed the cases are drawn from; default 0")
+    fuzz.add_argument("--replay", type=int, metavar="SEED",
+                      help="run the one case with this seed (as printed for a failure)")
+    fuzz.add_argument("--batch", type=int, default=10, metavar="N",
+                      help="cases per set of spawned ranks; default 10")
+    fuzz.add_argument("--json", metavar="PATH", help="write every case's outcome here")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pyreducer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -187,28 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="plot path (JSON beside it); default simulate.png next to the "
                                "profile")
 
-    netem = commands.add_parser("netem", help="run a command as N ranks on emulated hosts "
-                                              "(needs root and iproute2)")
-    netem.add_argument("--hosts", type=int, default=2, metavar="N",
-                       help="emulated hosts, one rank each; default 2")
-    netem.add_argument("--rate", default="1gbit", metavar="RATE",
-                       help="each host's link rate in bits per second (tc syntax: 100mbit, "
-                            "1gbit, 10gbit) or 'unlimited'; default 1gbit")
-    netem.add_argument("--timeout", type=float, default=3600, metavar="SECONDS",
-                       help="kill all ranks after this long; default 3600")
-    netem.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
-                       help="the command every rank runs, after --: -- python train.py ...")
-    fuzz = commands.add_parser("fuzz", help="differential fuzzing against torch DDP: random "
-                                             "models and options, results compared bit for bit")
-    fuzz.add_argument("--cases", type=int, default=40, metavar="N",
-                      help="random cases to run; default 40")
-    fuzz.add_argument("--seed", type=int, default=0, metavar="S",
-                      help="run seed the cases are drawn from; default 0")
-    fuzz.add_argument("--replay", type=int, metavar="SEED",
-                      help="run the one case with this seed (as printed for a failure)")
-    fuzz.add_argument("--batch", type=int, default=10, metavar="N",
-                      help="cases per set of spawned ranks; default 10")
-    fuzz.add_argument("--json", metavar="PATH", help="write every case's outcome here")
+    _add_harness_commands(commands)
     return parser
 
 

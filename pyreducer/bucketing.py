@@ -72,6 +72,15 @@ def initial_plan(sizes_bytes: list[int], group_keys: list[str], caps: list[int],
     return list(reversed(buckets))
 
 
+def read_plan(plan, names: list[str]) -> tuple[list[list[int]] | None, str | None]:
+    """(plan_from_names(plan, names), None), or (None, why it cannot be used): a file that
+    cannot be read or is not a saved plan, or a plan that does not fit this model."""
+    try:
+        return plan_from_names(plan, names), None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        return None, f"{type(error).__name__}: {error}"
+
+
 def plan_from_names(plan, names: list[str]) -> list[list[int]]:
     """Parameter indices per bucket from a saved plan.
 
@@ -83,9 +92,14 @@ def plan_from_names(plan, names: list[str]) -> list[list[int]]:
     exactly once.
     """
     if isinstance(plan, (str, os.PathLike)):
-        with open(plan) as f:
-            plan = json.load(f)["buckets"]
+        plan = _load_plan_file(plan)
+    if not isinstance(plan, (list, tuple)):
+        raise TypeError(f"bucket plan: expected a list of buckets, got {type(plan).__name__}")
     buckets = [b["params"] if isinstance(b, dict) else list(b) for b in plan]
+    for b, bucket in enumerate(buckets):
+        if isinstance(bucket, str) or not all(isinstance(n, str) for n in bucket):
+            raise TypeError(f"bucket plan: bucket {b} must list parameter names, got "
+                            f"{bucket!r:.80}")
     index = {name: i for i, name in enumerate(names)}
     seen: dict[str, int] = {}
     result = []
@@ -105,6 +119,26 @@ def plan_from_names(plan, names: list[str]) -> list[list[int]]:
         raise ValueError(f"bucket plan: {len(missing)} reduced parameter(s) are in no bucket: "
                          f"{missing[:10]}")
     return result
+
+
+def _load_plan_file(path) -> list:
+    """The buckets of a file written by save_plan; ValueError saying what is wrong with it."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"bucket plan file {os.fspath(path)!r} is not valid JSON ({error}; "
+                         f"{len(text)} bytes: truncated?)") from None
+    if not isinstance(doc, dict) or doc.get("format") != "pyreducer.bucket_plan":
+        raise ValueError(f"bucket plan file {os.fspath(path)!r} is not a pyreducer bucket plan "
+                         f"(expected {{\"format\": \"pyreducer.bucket_plan\", ...}} as "
+                         f"save_bucket_plan writes)")
+    if doc.get("version") != 1 or not isinstance(doc.get("buckets"), list):
+        raise ValueError(f"bucket plan file {os.fspath(path)!r}: version {doc.get('version')!r} "
+                         f"with {type(doc.get('buckets')).__name__} buckets; this pyreducer "
+                         f"reads version 1 with a list of buckets")
+    return doc["buckets"]
 
 
 def save_plan(plan: list[dict], path) -> None:

@@ -135,9 +135,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._autotune_config, bucket_cap_mb = arguments.autotune_request(bucket_cap_mb)
         self.bucket_caps_bytes = bucketing.caps_bytes(bucket_cap_mb, bucket_cap_mb_list)
         self.bucket_bytes_cap = max(self.bucket_caps_bytes)
-        if bucket_plan is not None:
-            bucket_plan = bucketing.plan_from_names(bucket_plan, self._params.names)
-            sync.verify_same_plan(bucket_plan, self.process_group, self._params.device)
+        if bucket_plan is not None:  # every rank learns of any rank's unusable plan
+            bucket_plan, problem = bucketing.read_plan(bucket_plan, self._params.names)
+            sync.verify_same_plan(bucket_plan, self.process_group, self._params.device, problem)
         # What a pickled copy needs to build its Reducer again (see __setstate__).
         self._reducer_settings = dict(plan=bucket_plan, caps_per_bucket=bool(bucket_cap_mb_list))
 

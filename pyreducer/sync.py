@@ -109,15 +109,25 @@ def verify_same_model(named_params: list[tuple[str, torch.Tensor]], group, devic
                     f"{_describe(theirs)} on rank {rank}{layout}.")
 
 
-def verify_same_plan(plan: list[list[int]], group, device) -> None:
-    """Raises ValueError on every rank unless all ranks were given the same bucket plan."""
-    gathered = all_gather_object(plan, group, device)
-    for rank, theirs in enumerate(gathered[1:], start=1):
-        if theirs != gathered[0]:
-            first = next((b for b, (x, y) in enumerate(zip(gathered[0], theirs)) if x != y),
-                         min(len(theirs), len(gathered[0])))
+def verify_same_plan(plan: list[list[int]] | None, group, device,
+                     problem: str | None = None) -> None:
+    """Raises ValueError on every rank unless all ranks were given the same, usable bucket plan.
+    `problem`: why this rank's plan could not be used (plan then None); every rank raises
+    naming the ranks that had one, instead of leaving the others waiting here."""
+    gathered = all_gather_object((plan, problem), group, device)
+    problems = [(rank, why) for rank, (_, why) in enumerate(gathered) if why is not None]
+    if problems:
+        rank, why = problems[0]
+        others = [r for r, _ in problems[1:]]
+        raise ValueError(f"bucket_plan on rank {rank}: {why}"
+                         + (f" (ranks {others} could not use theirs either)" if others else ""))
+    plans = [theirs for theirs, _ in gathered]
+    for rank, theirs in enumerate(plans[1:], start=1):
+        if theirs != plans[0]:
+            first = next((b for b, (x, y) in enumerate(zip(plans[0], theirs)) if x != y),
+                         min(len(theirs), len(plans[0])))
             raise ValueError(f"bucket_plan differs between ranks: rank {rank} and rank 0 differ "
-                             f"at bucket {first} (rank 0 has {len(gathered[0])} buckets, rank "
+                             f"at bucket {first} (rank 0 has {len(plans[0])} buckets, rank "
                              f"{rank} has {len(theirs)}); every rank must replay the same plan.")
 
 

@@ -70,7 +70,12 @@ class BucketTuning:
 
     def apply_bucket_plan(self, plan) -> None:
         """See DistributedDataParallel.apply_bucket_plan."""
+        problem = None
         if plan and plan[0] and isinstance(plan[0][0], str):
-            plan = bucketing.plan_from_names(plan, self.params.names)
-        self.reducer.apply_plan(sync.from_rank0(plan, self.params.process_group,
-                                                self.params.device))
+            plan, problem = bucketing.read_plan(plan, self.params.names)
+        # rank 0's plan, or its problem, on every rank: none is left waiting in the broadcast
+        plan, problem = sync.from_rank0((plan, problem), self.params.process_group,
+                                        self.params.device)
+        if problem is not None:
+            raise ValueError(f"apply_bucket_plan: rank 0's plan cannot be used: {problem}")
+        self.reducer.apply_plan(plan)

@@ -94,6 +94,7 @@ class PythonCommHook : public CommHook {
     return obj.cast<at::Tensor>();
   }
   std::string name() const override { return name_; }
+  bool checked_result() const override { return true; }
 
  private:
   py::object state_;

@@ -42,6 +42,10 @@ class CommHook {
   virtual at::Tensor parse_result(const c10::IValue& value);
   // For error messages and logs.
   virtual std::string name() const = 0;
+  // Whether the Reducer checks the result's dtype and device (a user's hook: a result narrower
+  // than the bucket, e.g. compressed and never decompressed, or on another device, is an error).
+  // Built-in hooks return their reduce dtype by design, cast back into the bucket.
+  virtual bool checked_result() const { return false; }
 };
 
 // Built-in compression hook, no Python: casts the bucket to `dtype` (float16 or bfloat16) after

@@ -359,6 +359,21 @@ void Reducer::wait_bucket(size_t b) {
                                  " elements for bucket " + std::to_string(b) + ", expected " +
                                  std::to_string(bucket.flat.numel()));
       }
+      // A user's compressing hook that forgot to decompress would otherwise be cast back
+      // silently, with the compressed precision (torch DDP casts). A wider result is cast back
+      // as torch DDP does.
+      const bool narrower =
+          c10::elementSize(result.scalar_type()) < c10::elementSize(bucket.flat.scalar_type()) ||
+          (bucket.flat.is_floating_point() && !result.is_floating_point());
+      if (comm_hook_->checked_result() && (narrower || result.device() != bucket.flat.device())) {
+        throw std::runtime_error(
+            "pyreducer: communication hook " + comm_hook_->name() + " returned a " +
+            std::string(c10::toString(result.scalar_type())) + " tensor on " +
+            result.device().str() + " for bucket " + std::to_string(b) + " on rank " +
+            std::to_string(group_->getRank()) + ", expected " +
+            c10::toString(bucket.flat.scalar_type()) + " on " + bucket.flat.device().str() +
+            " (or a wider dtype on that device: decompress or move the result back)");
+      }
       at::NoGradGuard no_grad;
       bucket.flat.copy_(bucket.sparse ? result : result.reshape({-1}));
     }

@@ -129,9 +129,17 @@ def hook_path_worker(rank, world_size):
     def tensor_annotated(state, bucket) -> torch.Tensor:
         return default_hooks.allreduce_hook(state, bucket)
 
+    def reshaping(state, bucket):
+        return default_hooks.allreduce_hook(state, bucket).then(lambda f: f.value()[:3])
+
+    def undecompressed(state, bucket):  # as a compressing hook that forgot to decompress
+        return default_hooks.allreduce_hook(state, bucket).then(lambda f: f.value().half())
+
     for key, hook, late in (("late", default_hooks.allreduce_hook, True),
                             ("raises", raising_hook, False),
                             ("not_future", lambda state, bucket: bucket.buffer(), False),
+                            ("wrong_shape", reshaping, False),
+                            ("wrong_dtype", undecompressed, False),
                             ("not_callable", 3, False),
                             ("bad_return_annotation", tensor_annotated, False),
                             ("twice", default_hooks.allreduce_hook, False)):
@@ -199,6 +207,8 @@ def test_python_hook_runs_once_per_bucket_and_nothing_else(hook_path):
     ("late", "before the first synced forward"),
     ("raises", "raised for bucket 0"),
     ("not_future", "must return a torch.futures.Future"),
+    ("wrong_shape", "returned 3 elements for bucket 0, expected"),
+    ("wrong_dtype", "returned a Half tensor on cpu for bucket 0 on rank"),
     # torch DDP's exception types and words
     ("not_callable", "TypeError: Communication hook must be callable."),
     ("bad_return_annotation", "ValueError: Communication hook: return annotation should be "
@@ -250,3 +260,36 @@ def test_sparse_gradients_through_hooks_match_torch_ddp(ranks_once):
             for a, b in zip(r[(name, "ours")], r[(name, "torch")]):
                 assert torch.equal(a, b), f"rank {rank}: {name} hook"
         assert r["sparse_buckets_seen"] == 2 * STEPS * 2  # 2 sparse buckets, both wrappers
+
+
+def one_rank_raises_worker(rank, world_size):
+    """A hook that raises on rank 1 only; the rank ends (as a script would), the other must not
+    wait for its all-reduce until the process group's timeout."""
+    import time
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from pyreducer import DistributedDataParallel
+
+    def hook(state, bucket):
+        if rank == 1:
+            raise ValueError("boom on rank 1")
+        return default_hooks.allreduce_hook(state, bucket)
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(8, 4))
+    model.register_comm_hook(None, hook)
+    start = time.monotonic()
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+        return None, time.monotonic() - start
+    except RuntimeError as error:
+        return str(error), time.monotonic() - start
+
+
+def test_a_hook_raising_on_one_rank_ends_every_rank_with_an_error(ranks_once):
+    results = ranks_once(one_rank_raises_worker, 2, ())
+    (zero, zero_s), (one, _) = results
+    assert one is not None and "raised for bucket 0: ValueError: boom on rank 1" in one
+    assert zero is not None and "failed for bucket 0 on rank 0" in zero, zero
+    assert zero_s < 20, f"rank 0 waited {zero_s:.0f} s"  # not the process group's timeout

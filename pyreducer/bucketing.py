@@ -141,6 +141,18 @@ def _load_plan_file(path) -> list:
     return doc["buckets"]
 
 
+def describe_plan(names, tensors, layout: list[dict]) -> list[dict]:
+    """Per bucket of a Reducer's bucket_layout(): index, parameter names (slot order), dtype,
+    device, bytes."""
+    plan = []
+    for index, bucket in enumerate(layout):
+        first = tensors[bucket["param_indices"][0]]
+        plan.append(dict(index=index, params=[names[k] for k in bucket["param_indices"]],
+                         dtype=str(first.dtype), device=str(first.device),
+                         size_bytes=bucket["size_bytes"]))
+    return plan
+
+
 def save_plan(plan: list[dict], path) -> None:
     """Writes a plan (as returned by bucket_plan()) as JSON."""
     with open(path, "w") as f:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from pyreducer import arguments, bucketing, nested, precision, sync
+from pyreducer.watch import ParameterWatch
 from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.ddp_logging import DDPLogger
@@ -155,6 +156,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._averaging is not None:
             self.reducer.register_averaging_hook(self.process_group, **self._averaging)
         self._has_rebuilt_buckets = False
+        self._watch = ParameterWatch(self.module, self._params)  # changed after wrapping: error
         self._logger = DDPLogger(self.reducer, _C.Reducer.now_ns, self._params.sizes_bytes)
         self._logger.construction_data(
             self.module, self._params, self.device_ids, self.output_device,
@@ -209,7 +211,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("pyreducer: a wrapper with an overlapped optimizer cannot be "
                                "pickled; save model.state_dict() and the optimizer's state_dict()")
         for name in ("process_group", "reducer", "_params", "_tuning", "_autotune", "_recorder",
-                     "_logger"):
+                     "_logger", "_watch"):
             state.pop(name)
         if self._recorder is not None:  # its forward hooks belong to this process's recording
             state["_forward_pre_hooks"] = self._recorder.without_hooks(self._forward_pre_hooks)
@@ -266,6 +268,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _pre_forward(self, inputs, kwargs):
         """DDP's collectives before the module runs, in this order on every rank; joined ranks
         shadow them (join.py: ReducerJoinHook.main_hook)."""
+        self._watch.check(self._params.rank)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         joined_work = Join.notify_join_context(self)
         if synced:
@@ -336,14 +339,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     # -- inspection ------------------------------------------------------------------------------
     def bucket_plan(self) -> list[dict]:
         """The buckets in launch order: parameter names (slot order), dtype, device, bytes."""
-        names, tensors = self._params.names, self._params.tensors
-        plan = []
-        for index, bucket in enumerate(self.reducer.bucket_layout()):
-            first = tensors[bucket["param_indices"][0]]
-            plan.append(dict(index=index, params=[names[k] for k in bucket["param_indices"]],
-                             dtype=str(first.dtype), device=str(first.device),
-                             size_bytes=bucket["size_bytes"]))
-        return plan
+        return bucketing.describe_plan(self._params.names, self._params.tensors,
+                                       self.reducer.bucket_layout())
 
     def save_bucket_plan(self, path) -> None:
         """Writes bucket_plan() as JSON; pass the path as bucket_plan= to replay it."""

@@ -94,3 +94,49 @@ def test_one_ranks_bad_plan_is_an_error_on_every_rank(hostile, case):
         for word in WORDS[case]:
             assert word in message, f"rank {rank}, {case}: {word!r} not in {message!r}"
         assert seconds < 10, f"rank {rank} took {seconds:.1f} s"  # no waiting for a timeout
+
+
+def changed_worker(rank, world_size):
+    """Parameters changed after wrapping (pyreducer/watch.py), on every rank alike."""
+    from pyreducer import DistributedDataParallel
+
+    out = {}
+    for case in ("added", "replaced", "removed", "resized", "same", "deepcopy"):
+        net = _model()
+        model = DistributedDataParallel(net)
+        model(torch.randn(4, 8)).sum().backward()
+        if case == "added":
+            net.append(nn.Linear(4, 4))
+        elif case == "replaced":
+            net[0].weight = nn.Parameter(torch.randn(8, 8))
+        elif case == "removed":
+            net[2] = nn.Identity()
+        elif case == "resized":
+            with torch.no_grad():
+                net[2].weight.data = net[2].weight.data[:2]
+                net[2].bias.data = net[2].bias.data[:2]
+        elif case == "same":
+            net[0].weight = net[0].weight  # the same parameter again
+            net[1] = nn.ReLU()  # a module without parameters
+        elif case == "deepcopy":
+            model = copy.deepcopy(model)
+        try:
+            model(torch.randn(4, 8)).sum().backward()
+            out[case] = None
+        except RuntimeError as error:
+            out[case] = str(error)
+    return out
+
+
+CHANGED = {"added": "submodule '3' with parameters was added",
+           "replaced": "parameter '0.weight' was replaced",
+           "removed": "submodule '2' with parameters was replaced",
+           "resized": "parameter '2.weight' was resized from (4, 8) to (2, 8)"}
+
+
+def test_parameters_changed_after_wrapping_are_named(ranks_once):
+    for rank, out in enumerate(ranks_once(changed_worker, 2, ())):
+        for case, words in CHANGED.items():
+            assert out[case] is not None and words in out[case], (case, out[case])
+            assert f"on rank {rank}" in out[case] and "wrap it again" in out[case]
+        assert out["same"] is None and out["deepcopy"] is None, out

@@ -2,6 +2,7 @@
 init_process_group() (issue 15): each generation trains as torch DDP does, bit for bit, and
 nothing piles up between reducers (threads)."""
 import copy
+import gc
 import os
 
 import torch
@@ -46,15 +47,17 @@ def recreate_worker(rank, world_size, store_dir):
         out["equal"].append(all(torch.equal(a, b)
                                 for a, b in zip(finals["torch"], finals["ours"])))
         dist.destroy_process_group()
+        gc.collect()
+        out["threads"].append(len(os.listdir("/proc/self/task")))  # between process groups
         dist.init_process_group("gloo", init_method=f"file://{store_dir}/store{g}", rank=rank,
                                 world_size=world_size)
-        out["threads"].append(len(os.listdir("/proc/self/task")))
     return out
 
 
 def test_wrapper_recreated_after_a_new_process_group(ranks_once, tmp_path):
     for r in ranks_once(recreate_worker, 2, (str(tmp_path),)):
         assert r["equal"] == [True] * GENERATIONS, r
-        # earlier reducers and process groups leave no threads behind: the count taken after
-        # each new init_process_group varies by a few (threads still starting) but does not grow
-        assert r["threads"][-1] <= max(r["threads"][:3]), r["threads"]
+        # earlier reducers and process groups leave no threads behind: counted between process
+        # groups, the count varies by a few (torch's threads start lazily, pools), but a leak of
+        # one thread per generation would add 4 from the second generation to the last
+        assert r["threads"][-1] <= r["threads"][1] + 2, r["threads"]

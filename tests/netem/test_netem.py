@@ -69,9 +69,15 @@ def test_the_netem_command_runs_every_rank(tmp_path):
     script.write_text("import os, pathlib, sys\n"
                       "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text("
                       "os.environ['GLOO_SOCKET_IFNAME'])\n")
+    import pyreducer
+
+    # the pyreducer under test (make cuda-check tests another build than the checkout's)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path))
     result = subprocess.run([sys.executable, "-m", "pyreducer", "netem", "--hosts", "2",
                              "--timeout", "60", "--", sys.executable, str(script), str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                            env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "exit codes per rank: [0, 0]" in result.stdout
     assert [(tmp_path / r).read_text()[-2:] for r in ("0", "1")] == ["v0", "v1"]

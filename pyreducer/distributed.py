@@ -19,7 +19,6 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from pyreducer import arguments, bucketing, nested, precision, sync
-from pyreducer.watch import ParameterWatch
 from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.ddp_logging import DDPLogger
@@ -30,6 +29,7 @@ from pyreducer.join import (ReducerJoinHook, find_common_rank, refuse_unjoinable
 from pyreducer.params import ReducedParams, reduced_parameters
 from pyreducer.tuning.autotune import AutoTuner
 from pyreducer.tuning.control import BucketTuning
+from pyreducer.watch import ParameterWatch
 
 # The Reducer's defaults (csrc/reducer.h ReducerOptions), stated there once.
 _DEFAULTS = _C.ReducerOptions()

@@ -5,9 +5,10 @@ leave gradients un-averaged or a bucket slot of the wrong size. torch DDP goes o
 the next forward raises, naming the parameter and the rank.
 
 Registrations are seen by torch's global module/parameter registration hooks (installed once, on
-the first wrapper); they cost nothing per forward. A change made on one rank only raises there;
-the others then wait in their next collective until the process group's timeout. The check at each forward is a flag test and,
-for resizes, one shape comparison per parameter against the shapes recorded at wrapping.
+the first wrapper); they cost nothing per forward. The check at each forward is a flag test and,
+for resizes, one shape comparison per parameter against the shapes recorded at wrapping. A
+change made on one rank only raises there; the others then wait in their next collective until
+the process group's timeout.
 """
 from __future__ import annotations
 

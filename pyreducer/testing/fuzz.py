@@ -7,8 +7,8 @@ against torch DDP with the same optimizer: updates deferred to the next forward 
 a bit. A case is a pure function of its seed (make_case), so a failure is reproduced by its
 seed alone (`python -m pyreducer fuzz --replay SEED`). Cases are valid DDP configurations: a
 parameter that may go unused comes with find_unused_parameters=True, and usage that changes
-between iterations never with static_graph. Where torch DDP itself refuses a case, pyreducer must refuse
-it too (the case passes as "both refused").
+between iterations never with static_graph. Where torch DDP itself refuses a case, pyreducer
+must refuse it too (the case passes as "both refused").
 """
 from __future__ import annotations
 

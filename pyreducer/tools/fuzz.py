@@ -99,8 +99,7 @@ def main(cases: int, seed: int, replay: int | None, batch: int, json_path: str |
     log("fuzz: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump(dict(cases=cases, seed=seed, counts=counts,
-                           results={str(s): dict(o, case=make_case(s)) for s, o in results.items()}),
-                      f, indent=1)
+            outcomes = {str(s): dict(o, case=make_case(s)) for s, o in results.items()}
+            json.dump(dict(cases=cases, seed=seed, counts=counts, results=outcomes), f, indent=1)
         log(f"wrote {json_path}")
     return 1 if any(counts[status] for status in FAILING) else 0

@@ -76,7 +76,11 @@ def netem_main(args) -> int:
         raise InputError("give the command to run after --, e.g. -- python train.py")
     try:
         with EmulatedCluster(args.hosts, args.rate) as cluster:
-            procs = [cluster.launch(rank, command) for rank in range(args.hosts)]
+            if args.torchrun:
+                procs = [cluster.launch_torchrun(host, command, max_restarts=args.max_restarts)
+                         for host in range(args.hosts)]
+            else:
+                procs = [cluster.launch(rank, command) for rank in range(args.hosts)]
             codes = cluster.wait(procs, timeout_s=args.timeout)
     except NetemUnavailable as error:
         raise InputError(f"{error}; not running on loopback instead") from None
@@ -153,6 +157,12 @@ def _add_harness_commands(commands) -> None:
                             "1gbit, 10gbit) or 'unlimited'; default 1gbit")
     netem.add_argument("--timeout", type=float, default=3600, metavar="SECONDS",
                        help="kill all ranks after this long; default 3600")
+    netem.add_argument("--torchrun", action="store_true",
+                       help="run torchrun on every host (one node each, c10d rendezvous on host "
+                            "0); the command is torchrun's script: -- train.py ARGS; default: "
+                            "run the command itself on every host")
+    netem.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="with --torchrun: torchrun's --max-restarts; default 0")
     netem.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                        help="the command every rank runs, after --: -- python train.py ...")
     fuzz = commands.add_parser("fuzz", help="differential fuzzing against torch DDP: random "

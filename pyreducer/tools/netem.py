@@ -9,6 +9,8 @@ it costs ~220 ms, as between real hosts. Usage:
         cluster.wait(procs, timeout_s=600)
 
 or from the shell: `python -m pyreducer netem --hosts 2 --rate 1gbit -- python train.py`.
+`launch_torchrun` (`netem --torchrun`) runs torchrun on each host instead, one node per host
+joined by torchrun's own c10d rendezvous, as on a cluster.
 Each rank gets env:// rendezvous variables (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK) and
 GLOO_SOCKET_IFNAME for its host's NIC. Needs root and iproute2: without them EmulatedCluster
 raises NetemUnavailable saying so; nothing falls back to loopback. Namespaces are removed on
@@ -22,6 +24,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 SUBNET = "10.211.0"
@@ -127,6 +130,26 @@ class EmulatedCluster:
                                  str(cpu)] + list(argv), env=full_env, **popen_kwargs)
         self._procs.append(proc)
         return proc
+
+    def launch_torchrun(self, host: int, script_argv: list[str], max_restarts: int = 0,
+                        rdzv_port: int = 29400, env: dict | None = None,
+                        **popen_kwargs) -> subprocess.Popen:
+        """Starts torchrun on `host`: one of `hosts` nodes, one worker each, joined by torchrun's
+        c10d rendezvous on host 0 over the emulated network (never --standalone). script_argv is
+        what follows torchrun's options (`train.py ARGS` or `-m module ARGS`).
+
+        Facts this needs (../shared/notes/NETWORK.md): the c10d rendezvous orders nodes by
+        address and all namespaces share one hostname, so each node gives its own address
+        (--local-addr) and host 0 says it hosts the store (is_host=1); restarted workers must
+        not reuse the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: else the restarted
+        round reads the dead round's addresses and Gloo's connectFullMesh is refused)."""
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.hosts}",
+                "--nproc-per-node=1", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.address(0)}:{rdzv_port}",
+                f"--local-addr={self.address(host)}", f"--max-restarts={max_restarts}",
+                "--monitor-interval=0.5"] + (["--rdzv-conf=is_host=1"] if host == 0 else [])
+        full_env = dict(env or {}, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        return self.launch(host, argv + list(script_argv), env=full_env, **popen_kwargs)
 
     def wait(self, procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
         """Waits for all; kills everything still running at the deadline (TimeoutError)."""

@@ -1,5 +1,5 @@
-"""Command line: `python -m pyreducer demo | trace | report | simulate | netem | fuzz` (--help on
-each)."""
+"""Command line: `python -m pyreducer demo | trace | report | simulate | netem | fuzz | soak`
+(--help on each)."""
 from __future__ import annotations
 
 import argparse
@@ -96,6 +96,15 @@ def fuzz_main(args) -> int:
     return fuzz.main(args.cases, args.seed, args.replay, args.batch, args.json)
 
 
+def soak_main(args) -> int:
+    from pyreducer.tools import soak
+
+    if args.steps < 2 or args.every < 1 or not 0 <= args.warmup < args.steps:
+        raise InputError(f"need --steps >= 2, --every >= 1 and 0 <= --warmup < --steps; got "
+                         f"{args.steps}, {args.every}, {args.warmup}")
+    return soak.main(args.steps, args.every, args.warmup, args.overlap, args.json, args.plot)
+
+
 def simulate_main(args) -> int:
     import json
 
@@ -147,7 +156,7 @@ def _add_training_options(parser, model_default: str, steps_default: int) -> Non
 
 
 def _add_harness_commands(commands) -> None:
-    """`netem` and `fuzz`: running commands on emulated hosts, fuzzing against torch DDP."""
+    """`netem`, `soak` and `fuzz`: commands on emulated hosts, long runs, fuzzing against DDP."""
     netem = commands.add_parser("netem", help="run a command as N ranks on emulated hosts "
                                               "(needs root and iproute2)")
     netem.add_argument("--hosts", type=int, default=2, metavar="N",
@@ -165,6 +174,20 @@ def _add_harness_commands(commands) -> None:
                        help="with --torchrun: torchrun's --max-restarts; default 0")
     netem.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                        help="the command every rank runs, after --: -- python train.py ...")
+    soak = commands.add_parser("soak", help="a long run at world size 2 watching memory, file "
+                                             "descriptors and threads (make soak: 10,000 steps)")
+    soak.add_argument("--steps", type=int, default=10000, metavar="N",
+                      help="training steps; default 10000")
+    soak.add_argument("--every", type=int, default=500, metavar="N",
+                      help="sample memory, descriptors and threads every N steps; default 500")
+    soak.add_argument("--warmup", type=int, default=1000, metavar="N",
+                      help="steps before the baseline sample; default 1000")
+    soak.add_argument("--overlap", action="store_true",
+                      help="soak the overlapped optimizer; default: the plain optimizer step")
+    soak.add_argument("--json", default=None, metavar="PATH",
+                      help="write the samples and verdict as JSON; default: not written")
+    soak.add_argument("--plot", default=None, metavar="PNG",
+                      help="plot memory, threads and descriptors per step; default: no plot")
     fuzz = commands.add_parser("fuzz", help="differential fuzzing against torch DDP: random "
                                              "models and options, results compared bit for bit")
     fuzz.add_argument("--cases", type=int, default=40, metavar="N",
@@ -228,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"demo": demo_main, "trace": trace_main, "report": report_main,
-            "simulate": simulate_main, "netem": netem_main, "fuzz": fuzz_main}
+            "simulate": simulate_main, "netem": netem_main, "fuzz": fuzz_main,
+            "soak": soak_main}
 
 
 def main(argv=None) -> int:

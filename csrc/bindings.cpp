@@ -178,7 +178,8 @@ void bind_options(py::module_& m) {
       .def_readwrite("timeline_iterations", &ReducerOptions::timeline_iterations)
       .def_readwrite("sparse_params", &ReducerOptions::sparse_params)
       .def_readwrite("skip_all_reduce_unused_params",
-                     &ReducerOptions::skip_all_reduce_unused_params);
+                     &ReducerOptions::skip_all_reduce_unused_params)
+      .def_readwrite("check_finite", &ReducerOptions::check_finite);
 }
 
 // A BackwardStats as a dict (see csrc/reducer.h; read by pyreducer/ddp_logging.py).
@@ -251,6 +252,23 @@ void set_deferred_completion(Reducer& reducer, bool deferred, py::object on_defe
   reducer.set_deferred_completion(deferred, std::move(callback));
 }
 
+// See Reducer::set_failure_context; `context` (a Python callable: phase -> text) runs with the
+// GIL. Its own failure never hides the collective's error.
+void set_failure_context(Reducer& reducer, py::object context) {
+  std::shared_ptr<py::object> held(new py::object(std::move(context)), [](py::object* obj) {
+    py::gil_scoped_acquire gil;
+    delete obj;
+  });
+  reducer.set_failure_context([held](const std::string& phase) -> std::string {
+    py::gil_scoped_acquire gil;
+    try {
+      return (*held)(phase).cast<std::string>();
+    } catch (const std::exception& error) {
+      return std::string(" (naming the lost ranks failed: ") + error.what() + ")";
+    }
+  });
+}
+
 // The Reducer, held by shared_ptr (see Reducer::create). Methods that may block release the GIL.
 void bind_reducer(py::module_& m) {
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
@@ -273,6 +291,8 @@ void bind_reducer(py::module_& m) {
       .def("set_deferred_completion", &set_deferred_completion, py::arg("deferred"),
            py::arg("on_deferred") = py::none(),
            "See Note [Deferred completion] in csrc/reducer.h.")
+      .def("set_failure_context", &set_failure_context, py::arg("context"),
+           "See Reducer::set_failure_context in csrc/reducer.h.")
       .def("complete_bucket", &Reducer::complete_bucket, py::arg("bucket"),
            py::call_guard<py::gil_scoped_release>())
       .def("complete_all", &Reducer::complete_all, py::call_guard<py::gil_scoped_release>())

@@ -56,13 +56,30 @@ void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values
   values.assign(data, data + result.numel());
 }
 
+std::vector<int64_t> all_gather_int64s(const ProcessGroupPtr& group,
+                                       const std::vector<int64_t>& mine, c10::Device device,
+                                       const std::string& what) {
+  const auto n = static_cast<int64_t>(mine.size());
+  at::Tensor table = at::zeros({group->getSize() * n}, at::TensorOptions().dtype(at::kLong));
+  if (n > 0) {
+    table.narrow(0, group->getRank() * n, n).copy_(at::tensor(mine, table.options()));
+  }
+  std::vector<at::Tensor> tensors{table.to(device)};  // a copy only off the CPU
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  wait_or_throw(group->allreduce(tensors, options), group, what);
+  const at::Tensor result = tensors.front().to(at::kCPU);  // blocking: the all-reduce is done
+  const int64_t* data = result.const_data_ptr<int64_t>();
+  return {data, data + result.numel()};
+}
+
 void wait_or_throw(const WorkPtr& work, const ProcessGroupPtr& group, const std::string& what) {
   try {
     if (!work->wait()) {
       throw std::runtime_error("the work was aborted");
     }
   } catch (const std::exception& error) {
-    throw std::runtime_error("pyreducer: " + what + " failed on rank " +
+    throw CollectiveError("pyreducer: " + what + " failed on rank " +
                              std::to_string(group->getRank()) + " of " +
                              std::to_string(group->getSize()) +
                              " (a peer may have died or diverged): " + error.what());

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,11 @@
 namespace pyreducer {
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+// A collective that failed or timed out (wait_or_throw): a peer died, froze or diverged.
+struct CollectiveError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 // Launches an asynchronous SUM all-reduce of `flat` on `group` and returns its work handle at
@@ -36,8 +42,15 @@ WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
 void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values, int64_t root,
                       c10::Device device);
 
+// Every rank's `mine` (same length on every rank), rank r's at [r * mine.size(), ...): one SUM
+// all-reduce of a world_size x n table in which each rank fills its own row, on `device`. Blocking
+// and bounded as broadcast_int64s. Python or autograd thread.
+std::vector<int64_t> all_gather_int64s(const ProcessGroupPtr& group,
+                                       const std::vector<int64_t>& mine, c10::Device device,
+                                       const std::string& what);
+
 // Blocks until `work` completes. On Gloo (and NCCL with TORCH_NCCL_BLOCKING_WAIT=1) the wait is
-// bounded by the process group's timeout, and on failure it throws std::runtime_error whose
+// bounded by the process group's timeout, and on failure it throws CollectiveError whose
 // message starts with `what` (e.g. "all-reduce of bucket 3") and names this rank. On NCCL
 // otherwise wait() only makes the current stream wait and returns at once: a failed collective
 // is the watchdog's to report (README, "When a peer fails on NCCL").

@@ -142,6 +142,11 @@ Reducer::~Reducer() {
   }
 }
 
+void Reducer::set_failure_context(std::function<std::string(const std::string&)> context) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  failure_context_ = std::move(context);
+}
+
 void Reducer::fail(const std::string& message) {
   reset_iteration();
   last_error_ = message;
@@ -423,6 +428,12 @@ void Reducer::finalize() {
   } else {
     try {
       wait_and_copy_out();
+      check_finite_reduced();  // See Note [Finite check]
+    } catch (const CollectiveError& error) {
+      reset_iteration();
+      const std::string phase = "backward of iteration " + std::to_string(stats_.iteration);
+      throw CollectiveError(std::string(error.what()) +
+                            (failure_context_ ? failure_context_(phase) : std::string()));
     } catch (...) {
       reset_iteration();
       throw;

@@ -114,6 +114,8 @@ struct ReducerOptions {
   // As in torch DDP, with gradient_as_bucket_view an unused parameter whose .grad already is
   // its bucket view was divided in place when marked ready, before the skip was known.
   bool skip_all_reduce_unused_params = false;
+  // See Note [Finite check]: a NaN or Inf in a reduced gradient is an error on every rank.
+  bool check_finite = false;
 };
 
 // What torch DDP's logger reports of one synced backward (pyreducer/ddp_logging.py turns it into
@@ -192,6 +194,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // autograd thread, outside the Reducer's lock. Python thread, between iterations (also
   // after a forward whose backward has not started); std::runtime_error during a backward.
   void set_deferred_completion(bool deferred, std::function<void()> on_deferred = {});
+
+  // `context(phase)` is called (from the thread that saw it, which must then be able to take
+  // the GIL if context is Python) when a collective fails in backward, and its text is appended
+  // to the error: which ranks were lost (pyreducer/sync.py lost_ranks). Python thread, once.
+  void set_failure_context(std::function<std::string(const std::string&)> context);
 
   // Waits for bucket b's reduction (bounded by the process group's timeout) and writes its
   // averaged gradients into param.grad; nothing if it is not pending. Python thread.
@@ -277,6 +284,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void wait_and_copy_out();
   void wait_bucket(size_t b);      // its result is in bucket.flat afterwards
   void copy_out_bucket(size_t b);  // bucket.flat into param.grad (see Note [Reducer iteration])
+  void note_local_finite(Bucket& bucket);  // See Note [Finite check]
+  void check_finite_reduced();             // throws naming parameters and ranks
   void adopt_grads_into_buckets();
   void install_plan(const std::vector<std::vector<int64_t>>& plan);  // rebuild or apply_plan
   void reset_iteration(bool keep_reductions = false);  // keep: see Note [Deferred completion]
@@ -351,6 +360,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // Deferred completion (see Note [Deferred completion]).
   bool deferred_ = false;
+  std::function<std::string(const std::string&)> failure_context_;  // see set_failure_context
   std::function<void()> on_deferred_;
   std::vector<uint8_t> awaiting_;  // per bucket: launched, not completed
   size_t num_awaiting_ = 0;

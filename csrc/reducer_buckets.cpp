@@ -145,6 +145,7 @@ void Reducer::launch_chunk(size_t b) {
   const bool first = chunk == 0;
   const bool last = chunk + 1 == chunks;
   wait_for_copy_streams(bucket);  // See Note [Streams of a bucket]
+  if (first) note_local_finite(bucket);  // See Note [Finite check]
   DeviceTimeline* device = device_recording();
   std::shared_ptr<std::atomic<int64_t>> done;  // the record's done time, shared with callbacks
   if (armed_ && stats_.comm_start_ns == 0) stats_.comm_start_ns = Timeline::now_ns();

@@ -20,6 +20,7 @@ set(PYREDUCER_CORE_SOURCES
     csrc/reducer.cpp
     csrc/reducer_buckets.cpp
     csrc/reducer_control.cpp
+    csrc/reducer_finite.cpp
     csrc/reducer_timeline.cpp
     csrc/timeline.cpp)
 

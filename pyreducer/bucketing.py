@@ -157,3 +157,23 @@ def save_plan(plan: list[dict], path) -> None:
     """Writes a plan (as returned by bucket_plan()) as JSON."""
     with open(path, "w") as f:
         json.dump({"format": "pyreducer.bucket_plan", "version": 1, "buckets": plan}, f, indent=1)
+
+
+def build_reducer(params, process_group, caps_bytes: list[int], plan, caps_per_bucket: bool,
+                  **flags):
+    """The C++ Reducer with torch DDP's schedule: with a static graph or without
+    unused-parameter search, one bucket for the first iteration, then a rebuild along the
+    observed ready order; a given plan (parameter indices per bucket) is replayed as is.
+    params: a ReducedParams; flags: ReducerOptions fields (csrc/reducer.h), set as given."""
+    options = _C.ReducerOptions()
+    for name, value in flags.items():
+        setattr(options, name, value)
+    options.sparse_params = [i for i, sparse in enumerate(params.sparse) if sparse]
+    options.rebuild_buckets = ((options.static_graph or not options.find_unused_parameters)
+                               and plan is None)
+    options.rebuild_caps_bytes = caps_bytes
+    if plan is None:
+        plan = initial_plan(params.sizes_bytes, params.group_keys, caps_bytes,
+                            one_bucket=options.rebuild_buckets and not caps_per_bucket,
+                            sparse=params.sparse)
+    return _C.Reducer(list(params.tensors), list(params.names), plan, process_group, options)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from pyreducer import arguments, bucketing, nested, precision, sync
+from pyreducer import arguments, bucketing, failures, nested, precision, sync, teardown
 from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.ddp_logging import DDPLogger
@@ -59,6 +59,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         reduce_dtype: reduce each bucket in this dtype (e.g. torch.float32 for float16/bfloat16
             gradients), cast back afterwards; averaged after the sum, as with a predivide factor
             of 1. Neither can be combined with a communication hook or mixed_precision.
+        check_finite: a NaN or Inf in an averaged gradient makes backward raise on every rank,
+            naming the parameters and the ranks it came from (csrc/reducer_finite.cpp).
 
     bucket_cap_mb="auto" (or a pyreducer.tuning.AutotuneConfig) turns on online autotune
     (pyreducer/tuning/autotune.py).
@@ -72,7 +74,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
                  *, bucket_plan=None, timeline_iterations=_DEFAULTS.timeline_iterations,
-                 gradient_predivide_factor=None, reduce_dtype=None):
+                 gradient_predivide_factor=None, reduce_dtype=None, check_finite=False):
         super().__init__()
         Joinable.__init__(self)
         # torch DDP's checks, in its order (arguments.py).
@@ -108,15 +110,19 @@ class DistributedDataParallel(nn.Module, Joinable):
             return
         self._params = self._collect_params()
         arguments.check_sparse_backend(self._params)
-        if init_sync:
-            self._sync_at_construction(init_sync_buffers)
-        self._configure_buckets(bucket_cap_mb, bucket_cap_mb_list, bucket_plan)
+        self._failures = failures.LostRanks(self.process_group)  # names lost ranks in errors
+        with self._failures.phase("construction"):
+            if init_sync:
+                self._sync_at_construction(init_sync_buffers)
+            self._configure_buckets(bucket_cap_mb, bucket_cap_mb_list, bucket_plan)
         self._reducer_settings.update(batched_grad_copy=batched_grad_copy,
-                                      timeline_iterations=timeline_iterations)
+                                      timeline_iterations=timeline_iterations,
+                                      check_finite=bool(check_finite))
         self._averaging = self._averaging_settings(gradient_predivide_factor, reduce_dtype)
         self._mixed = precision.MixedPrecisionForward(mixed_precision, module) \
             if mixed_precision is not None else None
         self._build_engine()
+        teardown.settle_gloo_threads_at_exit(self.process_group)
         self._recorder = self._start_recorder_if_asked()
 
     # -- construction steps ----------------------------------------------------------------------
@@ -153,6 +159,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """The Reducer and what works on it (averaging, logging, bucket tuning, autotune); no
         collective."""
         self.reducer = self._build_reducer(**self._reducer_settings)
+        self.reducer.set_failure_context(self._failures.describe)
         if self._averaging is not None:
             self.reducer.register_averaging_hook(self.process_group, **self._averaging)
         self._has_rebuilt_buckets = False
@@ -166,30 +173,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._autotune = AutoTuner(self._autotune_config, self._tuning) \
             if self._autotune_config else None
 
-    def _build_reducer(self, plan, caps_per_bucket: bool, batched_grad_copy: bool,
-                       timeline_iterations: int):
-        """The C++ Reducer with torch DDP's schedule: with a static graph or without
-        unused-parameter search, one bucket for the first iteration, then a rebuild along the
-        observed ready order; a given plan (parameter indices per bucket) is replayed as is."""
-        params = self._params
-        options = _C.ReducerOptions()
-        options.find_unused_parameters = self.find_unused_parameters
-        options.static_graph = self.static_graph
-        options.gradient_as_bucket_view = self.gradient_as_bucket_view
-        options.batched_grad_copy = batched_grad_copy
-        options.timeline_iterations = timeline_iterations
-        options.sparse_params = [i for i, sparse in enumerate(params.sparse) if sparse]
-        options.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
-        options.rebuild_buckets = ((self.static_graph or not self.find_unused_parameters)
-                                   and plan is None)
-        options.rebuild_caps_bytes = self.bucket_caps_bytes
-        if plan is None:
-            plan = bucketing.initial_plan(params.sizes_bytes, params.group_keys,
-                                          self.bucket_caps_bytes,
-                                          one_bucket=options.rebuild_buckets and not caps_per_bucket,
-                                          sparse=params.sparse)
-        return _C.Reducer(list(params.tensors), list(params.names), plan, self.process_group,
-                          options)
+    def _build_reducer(self, plan, caps_per_bucket: bool, **options):
+        """The C++ Reducer (bucketing.build_reducer) with this wrapper's DDP options."""
+        return bucketing.build_reducer(
+            self._params, self.process_group, self.bucket_caps_bytes, plan, caps_per_bucket,
+            find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            skip_all_reduce_unused_params=self.skip_all_reduce_unused_params, **options)
 
     # -- pickling (torch.save, copy.deepcopy), as torch DDP ----------------------------------------
     def __getstate__(self):
@@ -211,7 +201,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("pyreducer: a wrapper with an overlapped optimizer cannot be "
                                "pickled; save model.state_dict() and the optimizer's state_dict()")
         for name in ("process_group", "reducer", "_params", "_tuning", "_autotune", "_recorder",
-                     "_logger", "_watch"):
+                     "_logger", "_watch", "_failures"):
             state.pop(name)
         if self._recorder is not None:  # its forward hooks belong to this process's recording
             state["_forward_pre_hooks"] = self._recorder.without_hooks(self._forward_pre_hooks)
@@ -225,6 +215,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = arguments.default_group()
         super().__setstate__(state)
         self._params = self._collect_params()
+        self._failures = failures.LostRanks(self.process_group)
         self._build_engine()
         self._recorder = None
 
@@ -243,7 +234,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 output = self.module(*inputs, **kwargs)
                 self._delayed.reset_grads()
                 return output
-            inputs, kwargs = self._pre_forward(inputs, kwargs)
+            with self._failures.phase(f"forward of iteration {self.reducer.num_iterations + 1}"):
+                inputs, kwargs = self._pre_forward(inputs, kwargs)
             with self._overlap_forward():
                 output = self._mixed(*inputs, **kwargs) if self._mixed is not None \
                     else self.module(*inputs, **kwargs)
@@ -444,6 +436,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("pyreducer: this wrapper already has an overlapped optimizer")
         if self._join_config.enable:
             raise ValueError("pyreducer: overlap_optimizer cannot be created inside join()")
+        if self._reducer_settings["check_finite"]:
+            raise ValueError("pyreducer: check_finite=True cannot be combined with "
+                             "overlap_optimizer yet (updates run as buckets complete)")
         self._overlap = OverlapOptimizer(optimizer, self.reducer, self._params, self.module,
                                          tuning=self._tuning, autotune=self._autotune, **options)
         return self._overlap

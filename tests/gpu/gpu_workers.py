@@ -374,3 +374,35 @@ def overlap_worker(rank, world_size, schedule):
         torch.cuda.synchronize(device)
         out[name] = [p.detach().cpu().clone() for p in model.parameters()]
     return out
+
+
+def check_finite_worker(rank, world_size):
+    """check_finite=True on NCCL: a NaN in rank 1's gradient of one parameter at step 2. The
+    local flags are device tensors, the reduced check one host read after the NCCL all-reduces
+    (stream-ordered after them), the flag exchange an all-reduce on the GPU."""
+    from pyreducer import DistributedDataParallel
+
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_mlp().to(device), device_ids=[rank], bucket_cap_mb=0.5,
+                                    check_finite=True)
+    weight = model.module[2].weight
+    state = {"step": 0}
+
+    def poison(grad):
+        if rank == 1 and state["step"] == 2:
+            grad = grad.clone()
+            grad[0, 0] = float("nan")
+        return grad
+
+    weight.register_hook(poison)
+    errors = []
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(1, 4):
+        state["step"] = step
+        try:
+            model(torch.randn(16, 32, generator=gen).to(device)).square().mean().backward()
+            errors.append(None)
+        except RuntimeError as error:
+            errors.append(str(error))
+    return errors

@@ -8,6 +8,7 @@ import torch
 
 from gpu_kit import GPUS, nccl_ranks, needs_gpus
 from gpu_workers import (allreduce_busbw_gbps, averaging_worker, big_bucket_worker,
+                         check_finite_worker,
                          join_fp16_worker, mixed_precision_worker, no_set_device_worker,
                          overlap_worker, sparse_on_nccl_worker, strides_worker,
                          two_streams_worker)
@@ -155,3 +156,11 @@ def test_overlapped_optimizer_matches_torch_ddp(world_size, schedule):
 def test_gpu_count_is_reported():
     """Always runs: the kit's summary (conftest) says how many GPUs were visible."""
     assert GPUS >= 0
+
+
+@needs_gpus(2)
+def test_check_finite_names_parameter_and_rank_on_nccl():
+    for rank, errors in enumerate(nccl_ranks(check_finite_worker, 2)):
+        assert errors[0] is None and errors[2] is None, errors
+        assert "parameter(s) 2.weight (NaN)" in errors[1] and "from rank(s) 1 " in errors[1]
+        assert f"seen on rank {rank} of 2" in errors[1]

@@ -24,7 +24,8 @@ def _params(fn):
 
 
 # pyreducer's own arguments: keyword-only, after all of DDP's.
-EXTRAS = ["bucket_plan", "timeline_iterations", "gradient_predivide_factor", "reduce_dtype"]
+EXTRAS = ["bucket_plan", "timeline_iterations", "gradient_predivide_factor", "reduce_dtype",
+          "check_finite"]
 
 
 def test_same_arguments_order_and_defaults_as_installed_torch():

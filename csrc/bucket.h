@@ -43,8 +43,9 @@ struct Bucket {
   size_t chunks_launched = 0;          // this iteration's
   c10::intrusive_ptr<c10::ivalue::Future> future;  // in-flight hook result (with a hook)
   std::vector<c10::Stream> copy_streams;  // see Note [Streams of a bucket]
-  at::Tensor local_nonfinite;  // check_finite: 0-dim, this rank's bucket held a NaN/Inf before
-                               // its reduction (see Note [Finite check]); undefined: not checked
+  // check_finite (see Note [Finite check]): 0-dim bool tensors, undefined when not computed.
+  at::Tensor local_nonfinite;    // this rank's gradients held a NaN/Inf (or their sum overflowed)
+  at::Tensor reduced_nonfinite;  // the reduced bucket's sum is not finite
 };
 
 struct SlotLocation {

@@ -285,6 +285,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void wait_bucket(size_t b);      // its result is in bucket.flat afterwards
   void copy_out_bucket(size_t b);  // bucket.flat into param.grad (see Note [Reducer iteration])
   void note_local_finite(Bucket& bucket);  // See Note [Finite check]
+  void note_reduced_finite(size_t b);       // after wait_bucket(b), before copy_out_bucket(b)
   void check_finite_reduced();             // throws naming parameters and ranks
   void adopt_grads_into_buckets();
   void install_plan(const std::vector<std::vector<int64_t>>& plan);  // rebuild or apply_plan

@@ -231,6 +231,7 @@ void Reducer::wait_and_copy_out() {
   if (device) device->wait_start(record_->slot);
   for (size_t b = 0; b < set_.buckets.size(); ++b) {
     wait_bucket(b);
+    note_reduced_finite(b);  // See Note [Finite check]
     if (copy_as_done) copy_out_bucket(b);
   }
   if (record_) record_->wait_end_ns = Timeline::now_ns();

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -13,25 +14,34 @@ namespace pyreducer {
 // Note [Finite check]
 // With options_.check_finite, a NaN or Inf in any averaged gradient makes backward raise on
 // every rank, naming the parameters and the ranks it came from, before an optimizer can read it.
-//  * Before a bucket's reduction is launched (its first chunk, with or without a hook), this
-//    rank records whether its own bucket holds a non-finite value: one reduction pass over the
-//    bucket into a 0-dim device tensor, read by the host only if the check fails.
-//  * At the end of backward, once every bucket is reduced and written back, each reduced bucket
-//    is checked (one host read per iteration; on a GPU this waits for the reductions, which the
-//    end of backward does not otherwise do). Every rank holds the same reduced values, so every
-//    rank reaches the same verdict without communication; only when it fails do the ranks
-//    exchange their local flags (all_gather_int64s) to name the ranks the values came from.
-//  * A sum can also overflow (float16) with every rank's own gradient finite: the error says so.
+//  * A bucket is tested by its sum (one vectorised pass, no temporary; float16/bfloat16 summed
+//    in float32): NaN or Inf anywhere makes the sum non-finite. A finite bucket whose sum
+//    overflows is flagged too, so a flagged bucket is confirmed element by element before
+//    anything is reported.
+//  * After each bucket's reduction is waited for, and before it is written back, its sum is
+//    taken (note_reduced_finite): on the CPU while later buckets are still in flight. On the CPU
+//    the flag is read at once, and if it is set this rank's own gradients, still in .grad, say
+//    whether the values came from here. Where .grad will not hold them (bucket views, whose
+//    .grad is the bucket) and on GPUs (where a host read per bucket would serialize host and
+//    device), each rank also sums its own bucket before launching its reduction
+//    (note_local_finite). The end of backward reads all flags at once (check_finite_reduced;
+//    on a GPU this waits for the reductions, which the end of backward does not otherwise do).
+//  * Every rank holds the same reduced values, so every rank reaches the same verdict without
+//    communication; only when it fails do the ranks exchange their local flags
+//    (all_gather_int64s) to name the ranks the values came from. A sum can also overflow
+//    (float16 with gradient_predivide_factor=1) with every rank's gradients finite: the error
+//    says so.
 //  * Sparse buckets and buckets skipped as unused are not checked. Not with deferred completion
 //    (an overlapped optimizer): the Python wrapper refuses the combination.
 
-void Reducer::note_local_finite(Bucket& bucket) {
-  if (!options_.check_finite || bucket.sparse) return;
-  at::NoGradGuard no_grad;
-  bucket.local_nonfinite = at::isfinite(bucket.flat).logical_not().any();
-}
-
 namespace {
+
+// A 0-dim bool tensor: the sum of `flat` is not finite (no host read).
+at::Tensor sum_nonfinite(const at::Tensor& flat) {
+  const bool narrow = flat.scalar_type() == at::kHalf || flat.scalar_type() == at::kBFloat16;
+  const at::Tensor sum = narrow ? flat.sum(at::kFloat) : flat.sum();
+  return at::isfinite(sum).logical_not();
+}
 
 // "name (NaN)" or "name (Inf)" for each parameter of `bucket` whose reduced slot is non-finite.
 std::vector<std::string> nonfinite_names(const Bucket& bucket,
@@ -55,26 +65,65 @@ std::string join(const std::vector<std::string>& items, size_t max_items) {
 
 }  // namespace
 
+void Reducer::note_local_finite(Bucket& bucket) {
+  if (!options_.check_finite || bucket.sparse) return;
+  if (bucket.flat.is_cpu() && !options_.gradient_as_bucket_view) return;  // .grad will say it
+  at::NoGradGuard no_grad;
+  bucket.local_nonfinite = sum_nonfinite(bucket.flat);
+}
+
+void Reducer::note_reduced_finite(size_t b) {
+  Bucket& bucket = set_.buckets[b];
+  if (!options_.check_finite || bucket.sparse || bucket.skipped) return;
+  at::NoGradGuard no_grad;
+  bucket.reduced_nonfinite = sum_nonfinite(bucket.flat);
+  if (!bucket.flat.is_cpu() || bucket.local_nonfinite.defined() ||
+      !bucket.reduced_nonfinite.item<bool>()) {
+    return;
+  }
+  bool local = false;  // this rank's own gradients, not yet overwritten by the averaged ones
+  for (int64_t i : bucket.param_indices) {
+    const at::Tensor& grad = params_[i].grad();
+    if (grad.defined() && !grad.is_sparse() && !at::isfinite(grad).all().item<bool>()) {
+      local = true;
+    }
+  }
+  bucket.local_nonfinite = at::scalar_tensor(local, at::TensorOptions().dtype(at::kBool));
+}
+
 void Reducer::check_finite_reduced() {
   if (!options_.check_finite) return;
   at::NoGradGuard no_grad;
   std::vector<size_t> checked;
-  std::vector<at::Tensor> bad;
+  std::vector<at::Tensor> flags;
   for (size_t b = 0; b < set_.buckets.size(); ++b) {
-    const Bucket& bucket = set_.buckets[b];
-    if (!bucket.local_nonfinite.defined() || bucket.skipped) continue;
+    if (!set_.buckets[b].reduced_nonfinite.defined()) continue;
     checked.push_back(b);
-    bad.push_back(at::isfinite(bucket.flat).logical_not().any());
+    flags.push_back(set_.buckets[b].reduced_nonfinite);
   }
   if (checked.empty()) return;
-  const at::Tensor bad_host = at::stack(bad).to(at::kCPU);  // the one host read per iteration
-  if (!bad_host.any().item<bool>()) {
-    for (size_t b : checked) set_.buckets[b].local_nonfinite = at::Tensor();
+  const auto clear = [&] {
+    for (size_t b : checked) {
+      set_.buckets[b].local_nonfinite = at::Tensor();
+      set_.buckets[b].reduced_nonfinite = at::Tensor();
+    }
+  };
+  const at::Tensor flagged = at::stack(flags).to(at::kCPU);  // one host read per iteration
+  std::vector<uint8_t> bad(checked.size(), 0);
+  for (size_t i = 0; i < checked.size(); ++i) {  // a flagged sum, confirmed element by element
+    bad[i] = flagged[static_cast<int64_t>(i)].item<bool>() &&
+             !at::isfinite(set_.buckets[checked[i]].flat).all().item<bool>();
+  }
+  if (std::none_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; })) {
+    clear();
     return;
   }
   // Every rank failed the same check (same reduced values): exchange the local flags.
   std::vector<int64_t> mine;
-  for (size_t b : checked) mine.push_back(set_.buckets[b].local_nonfinite.item<bool>() ? 1 : 0);
+  for (size_t b : checked) {
+    const at::Tensor& local = set_.buckets[b].local_nonfinite;
+    mine.push_back(local.defined() && local.item<bool>() ? 1 : 0);
+  }
   const std::vector<int64_t> all = all_gather_int64s(
       group_, mine, set_.buckets[checked.front()].flat.device(), "exchange of finite checks");
   const auto world = static_cast<size_t>(group_->getSize());
@@ -83,7 +132,7 @@ void Reducer::check_finite_reduced() {
           << stats_.iteration << " (seen on rank " << group_->getRank() << " of " << world
           << "; every rank raises this):";
   for (size_t i = 0; i < checked.size(); ++i) {
-    if (!bad_host[static_cast<int64_t>(i)].item<bool>()) continue;
+    if (!bad[i]) continue;
     const Bucket& bucket = set_.buckets[checked[i]];
     std::vector<std::string> ranks;
     for (size_t r = 0; r < world; ++r) {
@@ -98,7 +147,7 @@ void Reducer::check_finite_reduced() {
             << ";";
   }
   message << " the gradients are written back, but no optimizer should step on them.";
-  for (size_t b : checked) set_.buckets[b].local_nonfinite = at::Tensor();
+  clear();
   throw std::runtime_error(message.str());
 }
 

@@ -15,12 +15,14 @@ def _model(dtype=torch.float32):
                          nn.Linear(16, 4)).to(dtype)
 
 
-def poison_worker(rank, world_size, poison):
+def poison_worker(rank, world_size, poison, views=False):
     """poison: {rank: (parameter name, value)}: that rank's gradient of that parameter gets
-    value in one element at step 2. Returns each step's error (or None) and the parameters."""
+    value in one element at step 2. Returns each step's error (or None) and the parameters.
+    views: gradient_as_bucket_view (the local check then runs before each launch)."""
     from pyreducer import DistributedDataParallel
 
-    model = DistributedDataParallel(_model(), bucket_cap_mb=0.0005, check_finite=True)
+    model = DistributedDataParallel(_model(), bucket_cap_mb=0.0005, check_finite=True,
+                                    gradient_as_bucket_view=views)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     params = dict(model.module.named_parameters())
     if rank in poison:
@@ -49,14 +51,15 @@ def poison_worker(rank, world_size, poison):
     return dict(errors=errors, params=[p.detach().clone() for p in model.parameters()])
 
 
+@pytest.mark.parametrize("views", [False, True], ids=["grads", "bucket_views"])
 @pytest.mark.parametrize("poison, names, ranks", [
     ({1: ("2.weight", float("nan"))}, ["2.weight (NaN)"], "rank(s) 1 "),
     ({0: ("4.bias", float("inf")), 1: ("4.bias", float("-inf"))}, ["4.bias (NaN)"],
      "rank(s) 0, 1 "),
     ({0: ("0.weight", float("inf"))}, ["0.weight (Inf)"], "rank(s) 0 ")])
 def test_non_finite_gradient_raises_on_every_rank_naming_parameter_and_rank(poison, names,
-                                                                           ranks):
-    results = run_ranks(poison_worker, 2, (poison,), timeout_s=120)
+                                                                           ranks, views):
+    results = run_ranks(poison_worker, 2, (poison, views), timeout_s=120)
     for rank, result in enumerate(results):
         first, error, third = result["errors"]
         assert first is None and third is None, result["errors"]  # training goes on after it

@@ -1,5 +1,5 @@
-"""Faults (issue 15): a peer killed during construction, forward, or backward (mid all-reduce),
-or frozen (SIGSTOP) mid-backward. The surviving rank raises within the process group's timeout
+"""Faults (issue 15): a peer killed during construction, forward, backward (mid all-reduce) or
+finalize (waiting for the reductions), or frozen (SIGSTOP) mid-backward. The surviving rank raises within the process group's timeout
 (plus pyreducer.failures.REPORT_WINDOW_S to name the lost ranks), naming the phase and the rank
 it lost; after destroy_process_group no pyreducer thread or child process is left, and a script
 that does not catch the error exits with its traceback (exit code 1), not an abort."""
@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -50,8 +51,10 @@ def _wait_for_exit(pid, timeout_s=30):
     raise TimeoutError(f"process {pid} did not exit within {timeout_s} s")
 
 
-def _step(model):
-    model(torch.randn(8, 16)).square().mean().backward()
+def _step(model, pause_s=0.0):
+    loss = model(torch.randn(8, 16)).square().mean()
+    time.sleep(pause_s)  # between the forward's collectives and the backward's
+    loss.backward()
 
 
 def fault_worker(rank, world_size, phase):
@@ -82,8 +85,16 @@ def fault_worker(rank, world_size, phase):
                         os.kill(os.getpid(), signal.SIGSTOP)
                     os._exit(3)
                 model.module[3].weight.register_hook(leave)  # mid-backward: buckets in flight
+            pause_s = 0.0
+            if phase == "finalize" and step == 3:
+                # rank 1 finishes its backward's compute at once and waits in finalize for the
+                # reductions rank 0 has not launched yet; it dies there
+                if victim:
+                    threading.Timer(0.5, os._exit, (3,)).start()
+                else:
+                    pause_s = 1.5
             start = time.monotonic()
-            _step(model)
+            _step(model, pause_s)
     except RuntimeError as caught:
         error = str(caught)
     seconds = time.monotonic() - start
@@ -101,6 +112,7 @@ def fault_worker(rank, world_size, phase):
     ("construction", "phase: construction"),
     ("forward", "phase: forward of iteration 3"),
     ("backward", "phase: backward of iteration 3"),
+    ("finalize", "phase: backward of iteration 3"),
     ("frozen", "phase: backward of iteration 3")])
 def test_survivor_names_the_lost_rank_and_the_phase(phase, where):
     result = run_ranks(fault_worker, 2, (phase,), timeout_s=90, pg_timeout_s=PG_TIMEOUT_S,

@@ -140,3 +140,35 @@ def test_parameters_changed_after_wrapping_are_named(ranks_once):
             assert out[case] is not None and words in out[case], (case, out[case])
             assert f"on rank {rank}" in out[case] and "wrap it again" in out[case]
         assert out["same"] is None and out["deepcopy"] is None, out
+
+
+def wrong_device_worker(rank, world_size, tmp_dir):
+    """Rank 1's input is on another device than the module (the meta device stands in for a
+    GPU here). pyreducer does not second-guess it (modules may move their inputs themselves;
+    with device_ids inputs are moved, as in DDP): the module's own error is raised on rank 1,
+    and once rank 1 leaves, rank 0's backward raises naming it, instead of waiting."""
+    from pyreducer import DistributedDataParallel
+
+    model = DistributedDataParallel(_model())
+    x = torch.randn(4, 8, device="meta" if rank == 1 else "cpu")
+    start = time.monotonic()
+    try:
+        model(x).sum().backward()
+        error = None
+    except (RuntimeError, NotImplementedError) as caught:
+        error = str(caught)
+    if rank == 1:
+        with open(os.path.join(tmp_dir, "rank1.txt"), "w") as f:
+            f.write(error or "")
+        os._exit(1)  # a script that does not catch the error ends here
+    return dict(error=error, seconds=time.monotonic() - start)
+
+
+def test_input_on_the_wrong_device_is_an_error_on_every_rank(tmp_path):
+    from pyreducer.testing import run_ranks
+
+    result = run_ranks(wrong_device_worker, 2, (str(tmp_path),), timeout_s=90, pg_timeout_s=20,
+                       may_die=(1,))[0]
+    assert "meta" in (tmp_path / "rank1.txt").read_text()  # torch's own words, on rank 1
+    assert result["error"] is not None and "lost rank(s) 1 of 2" in result["error"], result
+    assert result["seconds"] < 20, result

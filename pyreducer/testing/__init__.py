@@ -1,5 +1,5 @@
 """Test and benchmark support (not imported by `import pyreducer`): spawned Gloo ranks with a
 hard wall-clock bound (ranks.py) and small reference models (models.py)."""
-from pyreducer.testing.ranks import RankError, RankTimeout, run_ranks
+from pyreducer.testing.ranks import RankError, RankTimeout, run_ranks, wait_for_exit
 
-__all__ = ["RankError", "RankTimeout", "run_ranks"]
+__all__ = ["RankError", "RankTimeout", "run_ranks", "wait_for_exit"]

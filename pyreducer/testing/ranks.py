@@ -164,3 +164,19 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
                                    f"{timeout_s:.0f} s and were killed")
     return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False)
             if outcomes.get(r, ("", None))[0] == "ok" else None for r in range(world_size)]
+
+
+def wait_for_exit(pid: int, timeout_s: float = 30.0) -> None:
+    """Returns once process `pid` has exited (gone, or a zombie its parent has not reaped yet);
+    fault-injection tests wait so for a rank they killed before going on."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not exit within {timeout_s} s")

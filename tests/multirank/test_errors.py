@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from pyreducer.testing import run_ranks
+from pyreducer.testing import run_ranks, wait_for_exit
 
 
 def _capture(fn):
@@ -68,21 +68,6 @@ def sparse_gradient_missing_worker(rank, world_size):
     return _capture(lambda: model(torch.tensor([1, 2])).sum().backward())
 
 
-def _wait_for_exit(pid: int, timeout_s: float) -> None:
-    """Returns once process `pid` has exited (gone, or a zombie its parent has not reaped yet)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return
-        if state in ("Z", "X"):
-            return
-        time.sleep(0.01)
-    raise TimeoutError(f"process {pid} did not exit within {timeout_s} s")
-
-
 def peer_dies_worker(rank, world_size):
     import torch.distributed as dist
 
@@ -95,7 +80,7 @@ def peer_dies_worker(rank, world_size):
     dist.all_gather_object(pids, os.getpid())
     if rank == 1:
         os._exit(3)  # dies before the second backward
-    _wait_for_exit(pids[1], timeout_s=30)  # the backward below starts after the peer is gone
+    wait_for_exit(pids[1], timeout_s=30)  # the backward below starts after the peer is gone
     return _capture(lambda: model(torch.randn(2, 64)).sum().backward())
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import pyreducer
 from pyreducer.failures import REPORT_WINDOW_S
-from pyreducer.testing import run_ranks
+from pyreducer.testing import run_ranks, wait_for_exit
 
 PG_TIMEOUT_S = 8
 
@@ -36,19 +36,6 @@ def _threads():
 def _children():
     return [c for t in os.listdir("/proc/self/task")
             for c in open(f"/proc/self/task/{t}/children").read().split()]
-
-
-def _wait_for_exit(pid, timeout_s=30):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return
-        if state in ("Z", "X"):
-            return
-        time.sleep(0.01)
-    raise TimeoutError(f"process {pid} did not exit within {timeout_s} s")
 
 
 def _step(model, pause_s=0.0):
@@ -69,7 +56,7 @@ def fault_worker(rank, world_size, phase):
     if phase == "construction" and victim:
         os._exit(3)
     if phase == "construction":
-        _wait_for_exit(pids[1])  # the wrapper is built after the peer is gone
+        wait_for_exit(pids[1])  # the wrapper is built after the peer is gone
     start = time.monotonic()
     error = None
     try:
@@ -78,7 +65,7 @@ def fault_worker(rank, world_size, phase):
             if phase == "forward" and step == 3:
                 if victim:
                     os._exit(3)
-                _wait_for_exit(pids[1])  # the forward below starts after the peer is gone
+                wait_for_exit(pids[1])  # the forward below starts after the peer is gone
             if phase in ("backward", "frozen") and victim and step == 3:
                 def leave(grad):
                     if phase == "frozen":

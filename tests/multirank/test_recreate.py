@@ -4,10 +4,13 @@ nothing piles up between reducers (threads)."""
 import copy
 import gc
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from pyreducer.testing import RankError, run_ranks
 
 GENERATIONS = 6  # the three option sets twice
 
@@ -57,8 +60,24 @@ def recreate_worker(rank, world_size, store_dir):
     return out
 
 
-def test_wrapper_recreated_after_a_new_process_group(ranks_once, tmp_path):
-    for r in ranks_once(recreate_worker, 2, (str(tmp_path),)):
+def _run(tmp_path):
+    """recreate_worker on 2 ranks. Gloo's own rendezvous (connectFullMesh) in a re-created group
+    failed in about 1 of 100 runs under torch 2.14.1 ("Connection closed by peer"), before any
+    pyreducer code of that generation ran; such a run is repeated once, with a warning. Any
+    other failure, or a second one, fails the test."""
+    for attempt in range(2):
+        store_dir = tmp_path / f"attempt{attempt}"
+        store_dir.mkdir()
+        try:
+            return run_ranks(recreate_worker, 2, (str(store_dir),), timeout_s=180)
+        except RankError as error:
+            if attempt == 1 or "connectFullMesh" not in str(error):
+                raise
+            warnings.warn(f"Gloo's rendezvous failed, running again: {str(error)[-300:]}")
+
+
+def test_wrapper_recreated_after_a_new_process_group(tmp_path):
+    for r in _run(tmp_path):
         assert r["equal"] == [True] * GENERATIONS, r
         # earlier reducers and process groups leave no threads behind: counted between process
         # groups, the count varies by a few (torch's threads start lazily, pools), but a leak of

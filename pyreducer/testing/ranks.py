@@ -150,20 +150,24 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
         finally:
             results.close()
 
-    errors = sorted((r, payload) for r, (status, payload) in outcomes.items()
-                    if status == "error" and r not in may_die)
+    # in the order the errors arrived: the first is usually the cause, the others its echo
+    errors = [(r, payload) for r, (status, payload) in outcomes.items()
+              if status == "error" and r not in may_die]
     if errors:
         rank, text = errors[0]
-        others = [r for r, _ in errors[1:]]
-        raise RankError(rank, f"rank {rank} of {world_size} failed"
-                              + (f" (ranks {others} failed too)" if others else "")
-                              + f":\n{text}")
+        others = "".join(f"\n--- rank {r} failed after it: {_last_line(t)}" for r, t in errors[1:])
+        raise RankError(rank, f"rank {rank} of {world_size} failed first:\n{text}{others}")
     missing = [r for r in range(world_size) if r not in outcomes and r not in may_die]
     if missing:
         raise RankTimeout(missing, f"ranks {missing} of {world_size} did not finish within "
                                    f"{timeout_s:.0f} s and were killed")
     return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False)
             if outcomes.get(r, ("", None))[0] == "ok" else None for r in range(world_size)]
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in str(text).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no message)"
 
 
 def wait_for_exit(pid: int, timeout_s: float = 30.0) -> None:

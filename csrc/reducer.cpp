@@ -393,15 +393,28 @@ std::string Reducer::describe_unready(size_t max_names) const {
 
 void Reducer::finalize_backward() {
   std::function<void()> deferred;
-  {
+  try {
     std::lock_guard<std::mutex> lock(mutex_);
     noting_errors([&] { finalize(); });
     if (num_awaiting_ > 0) deferred = on_deferred_;
+  } catch (const CollectiveError& error) {
+    // Outside the lock: the context takes the GIL and waits for the other ranks' reports, and
+    // a Python thread holding the GIL may be waiting for the lock.
+    std::function<std::string(const std::string&)> context;
+    std::string phase;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      context = failure_context_;
+      phase = failure_phase_;
+    }
+    if (!context) throw;
+    throw CollectiveError(std::string(error.what()) + context(phase));
   }
   if (deferred) deferred();  // outside the lock: it may call back into the Reducer
 }
 
 void Reducer::finalize() {
+  std::string finite_error;
   stats_.backward_end_ns = Timeline::now_ns();
   if (record_) record_->backward_end_ns = stats_.backward_end_ns;
   if (DeviceTimeline* device = device_recording()) device->backward_end(record_->slot);
@@ -428,12 +441,11 @@ void Reducer::finalize() {
   } else {
     try {
       wait_and_copy_out();
-      check_finite_reduced();  // See Note [Finite check]
+      finite_error = check_finite_reduced();  // See Note [Finite check]; raised at the end
     } catch (const CollectiveError& error) {
       reset_iteration();
-      const std::string phase = "backward of iteration " + std::to_string(stats_.iteration);
-      throw CollectiveError(std::string(error.what()) +
-                            (failure_context_ ? failure_context_(phase) : std::string()));
+      failure_phase_ = "backward of iteration " + std::to_string(stats_.iteration);
+      throw;  // finalize_backward adds the failure context, outside the lock
     } catch (...) {
       reset_iteration();
       throw;
@@ -453,6 +465,9 @@ void Reducer::finalize() {
     if (device_timeline_) device_timeline_->end(record_->slot);  // See Note [Device timeline]
   }
   reset_iteration(/*keep_reductions=*/deferred_);
+  // A failed finite check ends a complete iteration (gradients written back, unused-parameter
+  // state reset), so that training can go on after the error, on every rank alike.
+  if (!finite_error.empty()) throw std::runtime_error(finite_error);
 }
 
 void Reducer::reset_iteration(bool keep_reductions) {
@@ -469,6 +484,8 @@ void Reducer::reset_iteration(bool keep_reductions) {
     bucket.pending = bucket.param_indices.size();
     bucket.copy_streams.clear();
     bucket.chunks_launched = 0;
+    bucket.local_nonfinite = at::Tensor();  // See Note [Finite check]: never carried over
+    bucket.reduced_nonfinite = at::Tensor();
     if (keep_reductions) continue;  // completed later, bucket by bucket (skipped: re-decided
                                     // at the next launch, see launch_ready_buckets)
     bucket.works.clear();

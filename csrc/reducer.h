@@ -195,9 +195,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // after a forward whose backward has not started); std::runtime_error during a backward.
   void set_deferred_completion(bool deferred, std::function<void()> on_deferred = {});
 
-  // `context(phase)` is called (from the thread that saw it, which must then be able to take
-  // the GIL if context is Python) when a collective fails in backward, and its text is appended
-  // to the error: which ranks were lost (pyreducer/sync.py lost_ranks). Python thread, once.
+  // `context(phase)` is called when a collective fails in backward (from the thread that saw it,
+  // without the Reducer's lock; it may take the GIL), and its text is appended to the error:
+  // which ranks were lost (pyreducer/failures.py). Python thread, once.
   void set_failure_context(std::function<std::string(const std::string&)> context);
 
   // Waits for bucket b's reduction (bounded by the process group's timeout) and writes its
@@ -286,7 +286,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void copy_out_bucket(size_t b);  // bucket.flat into param.grad (see Note [Reducer iteration])
   void note_local_finite(Bucket& bucket);  // See Note [Finite check]
   void note_reduced_finite(size_t b);       // after wait_bucket(b), before copy_out_bucket(b)
-  void check_finite_reduced();             // throws naming parameters and ranks
+  std::string check_finite_reduced();      // the error naming parameters and ranks, or ""
   void adopt_grads_into_buckets();
   void install_plan(const std::vector<std::vector<int64_t>>& plan);  // rebuild or apply_plan
   void reset_iteration(bool keep_reductions = false);  // keep: see Note [Deferred completion]
@@ -362,6 +362,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Deferred completion (see Note [Deferred completion]).
   bool deferred_ = false;
   std::function<std::string(const std::string&)> failure_context_;  // see set_failure_context
+  std::string failure_phase_;  // where the last collective failure was seen
   std::function<void()> on_deferred_;
   std::vector<uint8_t> awaiting_;  // per bucket: launched, not completed
   size_t num_awaiting_ = 0;

@@ -31,8 +31,14 @@ namespace pyreducer {
 //    (all_gather_int64s) to name the ranks the values came from. A sum can also overflow
 //    (float16 with gradient_predivide_factor=1) with every rank's gradients finite: the error
 //    says so.
-//  * Sparse buckets and buckets skipped as unused are not checked. Not with deferred completion
-//    (an overlapped optimizer): the Python wrapper refuses the combination.
+//  * The verdict is each rank's own, so it relies on every rank holding the same reduced values:
+//    the Python wrapper refuses check_finite with join() (joined ranks shadow backward without
+//    checking), with Python comm hooks (which may reduce within subgroups, or not at all) and
+//    with deferred completion (an overlapped optimizer updates buckets as they complete).
+//  * A failed check is raised at the very end of finalize, after a complete iteration, so that
+//    training may go on after it. Sparse buckets and buckets skipped as unused are not checked.
+//  * On the GPU and bucket-view paths the local flag is the sum test alone: a rank whose finite
+//    gradients sum beyond the dtype's range would be named too (not confirmed element-wise).
 
 namespace {
 
@@ -91,33 +97,28 @@ void Reducer::note_reduced_finite(size_t b) {
   bucket.local_nonfinite = at::scalar_tensor(local, at::TensorOptions().dtype(at::kBool));
 }
 
-void Reducer::check_finite_reduced() {
-  if (!options_.check_finite) return;
+std::string Reducer::check_finite_reduced() {
+  if (!options_.check_finite) return {};
   at::NoGradGuard no_grad;
   std::vector<size_t> checked;
   std::vector<at::Tensor> flags;
   for (size_t b = 0; b < set_.buckets.size(); ++b) {
     if (!set_.buckets[b].reduced_nonfinite.defined()) continue;
     checked.push_back(b);
-    flags.push_back(set_.buckets[b].reduced_nonfinite);
+    // on one device (buckets of a module spread over several GPUs live on theirs)
+    const c10::Device device = flags.empty() ? set_.buckets[b].reduced_nonfinite.device()
+                                             : flags.front().device();
+    flags.push_back(set_.buckets[b].reduced_nonfinite.to(device));
   }
-  if (checked.empty()) return;
-  const auto clear = [&] {
-    for (size_t b : checked) {
-      set_.buckets[b].local_nonfinite = at::Tensor();
-      set_.buckets[b].reduced_nonfinite = at::Tensor();
-    }
-  };
+  if (checked.empty()) return {};
   const at::Tensor flagged = at::stack(flags).to(at::kCPU);  // one host read per iteration
   std::vector<uint8_t> bad(checked.size(), 0);
   for (size_t i = 0; i < checked.size(); ++i) {  // a flagged sum, confirmed element by element
     bad[i] = flagged[static_cast<int64_t>(i)].item<bool>() &&
              !at::isfinite(set_.buckets[checked[i]].flat).all().item<bool>();
   }
-  if (std::none_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; })) {
-    clear();
-    return;
-  }
+  // (the flags are cleared by reset_iteration, which ends every finalize)
+  if (std::none_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; })) return {};
   // Every rank failed the same check (same reduced values): exchange the local flags.
   std::vector<int64_t> mine;
   for (size_t b : checked) {
@@ -147,8 +148,7 @@ void Reducer::check_finite_reduced() {
             << ";";
   }
   message << " the gradients are written back, but no optimizer should step on them.";
-  clear();
-  throw std::runtime_error(message.str());
+  return message.str();
 }
 
 }  // namespace pyreducer

@@ -360,6 +360,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         try:
             arguments.check_comm_hook(hook)
+            if self._reducer_settings["check_finite"]:  # Note [Finite check]
+                raise ValueError("pyreducer: check_finite=True cannot be combined with a Python "
+                                 "communication hook (it may reduce within subgroups or not at "
+                                 "all); the built-in hooks (register_builtin_hook) can")
         except (TypeError, ValueError) as error:
             self._logger.set_error(f"{type(error)}: {error}")
             raise
@@ -414,7 +418,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         iteration's gradients by the ranks still training (the join notification's sum)."""
         self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
         refuse_unjoinable(self.skip_all_reduce_unused_params, self._delayed is not None,
-                          self._overlap is not None)
+                          self._overlap is not None, self._reducer_settings["check_finite"])
         self._logger.set_join()
         return ReducerJoinHook(self, self._params, self._autotune)
 

@@ -78,5 +78,10 @@ class LostRanks:
         except RuntimeError as error:
             if not is_collective_failure(error) or "[phase: " in str(error):
                 raise
-            raise RuntimeError(f"pyreducer: a collective failed on rank {self.rank} of "
-                               f"{self.world_size}: {error}{self.describe(name)}") from error
+            message = (f"pyreducer: a collective failed on rank {self.rank} of "
+                       f"{self.world_size}: {error}{self.describe(name)}")
+            try:  # keep torch's type (DistBackendError, ...), for code that catches it
+                wrapped = type(error)(message)
+            except Exception:  # noqa: BLE001 - a type that takes other arguments
+                wrapped = RuntimeError(message)
+            raise wrapped from error

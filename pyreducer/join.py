@@ -49,7 +49,8 @@ class ReducerJoinHook(JoinHook):
                                  self.params.process_group, src=src)
 
 
-def refuse_unjoinable(skip_unused: bool, delayed: bool, overlapped: bool = False) -> None:
+def refuse_unjoinable(skip_unused: bool, delayed: bool, overlapped: bool = False,
+                      check_finite: bool = False) -> None:
     """What join() cannot shadow, refused with the reason (torch DDP hangs on the first two):
     the buckets skipped by skip_all_reduce_unused_params (a joined rank cannot know which), the
     delayed all-reduce (issued from a gradient hook, it has no shadow), and an overlapped
@@ -58,7 +59,9 @@ def refuse_unjoinable(skip_unused: bool, delayed: bool, overlapped: bool = False
                                        "which buckets the training ranks skip)"),
                          (delayed, "delay_all_reduce_named_params (its all-reduce, issued from "
                                    "a gradient hook, has no shadow on joined ranks)"),
-                         (overlapped, "an overlapped optimizer (model.overlap_optimizer)")):
+                         (overlapped, "an overlapped optimizer (model.overlap_optimizer)"),
+                         (check_finite, "check_finite=True (joined ranks shadow backward "
+                                        "without the check; Note [Finite check])")):
         if refused:
             raise ValueError(f"pyreducer: join() cannot be combined with {why}")
 

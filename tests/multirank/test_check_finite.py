@@ -82,11 +82,20 @@ def parity_worker(rank, world_size, check_finite):
         optimizer.zero_grad()
         model(torch.randn(4, 8, generator=gen)).square().mean().backward()
         optimizer.step()
-    refused = None
-    try:
-        model.overlap_optimizer(optimizer)
-    except ValueError as error:
-        refused = str(error)
+    refused = {}
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    for name, attempt in (("overlap", lambda: model.overlap_optimizer(optimizer)),
+                          ("join", lambda: model.join().__enter__()),
+                          ("python_hook", lambda: model.register_comm_hook(
+                              None, default_hooks.allreduce_hook))):
+        try:
+            attempt()
+            refused[name] = None
+        except ValueError as error:
+            refused[name] = str(error)
+        if not check_finite:
+            break  # the plain wrapper accepts the first; the others need a fresh one
     return dict(params=[p.detach().clone() for p in model.parameters()], refused=refused)
 
 
@@ -95,8 +104,12 @@ def test_finite_gradients_train_exactly_as_without_the_check():
     plain = run_ranks(parity_worker, 2, (False,), timeout_s=120)
     for a, b in zip(checked, plain):
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
-    assert plain[0]["refused"] is None
-    assert "check_finite=True cannot be combined with overlap_optimizer" in checked[0]["refused"]
+    assert plain[0]["refused"] == {"overlap": None}
+    refused = checked[0]["refused"]  # each would break the ranks' shared verdict
+    assert "check_finite=True cannot be combined with overlap_optimizer" in refused["overlap"]
+    assert "join() cannot be combined with check_finite=True" in refused["join"]
+    assert "check_finite=True cannot be combined with a Python communication hook" in \
+        refused["python_hook"]
 
 
 def overflow_worker(rank, world_size):

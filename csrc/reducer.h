@@ -361,13 +361,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // Deferred completion (see Note [Deferred completion]).
   bool deferred_ = false;
-  std::function<std::string(const std::string&)> failure_context_;  // see set_failure_context
-  std::string failure_phase_;  // where the last collective failure was seen
   std::function<void()> on_deferred_;
   std::vector<uint8_t> awaiting_;  // per bucket: launched, not completed
   size_t num_awaiting_ = 0;
   WorkPtr deferred_used_map_work_;  // the used-map all-reduce of the deferred iteration
   bool deferred_need_used_map_ = false;
+
+  // Failures of collectives in backward (see set_failure_context).
+  std::function<std::string(const std::string&)> failure_context_;
+  std::string failure_phase_;  // where the last one was seen
 
   // Logging data (see BackwardStats).
   BackwardStats stats_;       // the iteration in progress

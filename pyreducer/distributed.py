@@ -74,7 +74,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
                  *, bucket_plan=None, timeline_iterations=_DEFAULTS.timeline_iterations,
-                 gradient_predivide_factor=None, reduce_dtype=None, check_finite=False):
+                 gradient_predivide_factor=None, reduce_dtype=None,
+                 check_finite=_DEFAULTS.check_finite):
         super().__init__()
         Joinable.__init__(self)
         # torch DDP's checks, in its order (arguments.py).

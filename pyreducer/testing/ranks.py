@@ -14,6 +14,7 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_module
+import sys
 import tempfile
 import time
 import traceback
@@ -163,6 +164,16 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
                                    f"{timeout_s:.0f} s and were killed")
     return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False)
             if outcomes.get(r, ("", None))[0] == "ok" else None for r in range(world_size)]
+
+
+def subprocess_env(**extra) -> dict:
+    """This process's environment with the pyreducer it imported first on PYTHONPATH, for
+    subprocesses that must run the same build (make cuda-check tests another one than the
+    checkout's), plus `extra`."""
+    import pyreducer
+
+    path = os.pathsep.join([os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path)
+    return dict(os.environ, PYTHONPATH=path, **extra)
 
 
 def _last_line(text: str) -> str:

@@ -46,6 +46,15 @@ def check_available() -> None:
                                f"util-linux); not found on PATH")
 
 
+def unavailable_reason() -> str | None:
+    """Why emulated hosts cannot be built here (for a test's skip), or None."""
+    try:
+        check_available()
+    except NetemUnavailable as error:
+        return str(error)
+    return None
+
+
 def _run(*args: str) -> None:
     result = subprocess.run(args, capture_output=True, text=True, timeout=30)
     if result.returncode != 0:

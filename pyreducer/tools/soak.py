@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 LIMITS = dict(max_growth_mb=5.0)
@@ -130,6 +129,3 @@ def main(steps: int, every: int, warmup: int, overlap: bool, json_path: str | No
         plot(per_rank, plot_path)
     return 0 if verdict["ok"] else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main(10000, 500, 1000, False))

@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import pyreducer
 from pyreducer.failures import REPORT_WINDOW_S
-from pyreducer.testing import run_ranks, wait_for_exit
+from pyreducer.testing import run_ranks, subprocess_env, wait_for_exit
 
 PG_TIMEOUT_S = 8
 
@@ -137,8 +136,7 @@ def test_an_uncaught_failure_exits_with_its_traceback(tmp_path):
     stderr, within the timeout; no abort at interpreter exit (pyreducer/teardown.py)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path))
+    env = subprocess_env(OMP_NUM_THREADS="1")
     store = str(tmp_path / "store")
     procs = [subprocess.Popen([sys.executable, str(script), str(r), store], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

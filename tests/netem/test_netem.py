@@ -8,14 +8,10 @@ import time
 
 import pytest
 
-from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable, check_available
+from pyreducer.testing import subprocess_env
+from pyreducer.tools.netem import EmulatedCluster, unavailable_reason
 
-try:
-    check_available()
-    REASON = None
-except NetemUnavailable as error:
-    REASON = str(error)
-
+REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no emulated hosts: {REASON}")
 RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netem_rank.py")
 
@@ -69,11 +65,8 @@ def test_the_netem_command_runs_every_rank(tmp_path):
     script.write_text("import os, pathlib, sys\n"
                       "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text("
                       "os.environ['GLOO_SOCKET_IFNAME'])\n")
-    import pyreducer
 
-    # the pyreducer under test (make cuda-check tests another build than the checkout's)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path))
+    env = subprocess_env()  # the pyreducer under test
     result = subprocess.run([sys.executable, "-m", "pyreducer", "netem", "--hosts", "2",
                              "--timeout", "60", "--", sys.executable, str(script), str(tmp_path)],
                             capture_output=True, text=True, timeout=120, cwd=str(tmp_path),

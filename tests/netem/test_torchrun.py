@@ -7,22 +7,15 @@ Compared against torch DDP's run of the same script (bitwise), and an elastic ru
 leaves mid-run, torchrun restarts all workers, they resume from the checkpoint) against the
 uninterrupted run (bitwise). Needs root and iproute2; skipped with the reason otherwise."""
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-import pyreducer
-from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable, check_available
+from pyreducer.testing import subprocess_env
+from pyreducer.tools.netem import EmulatedCluster, unavailable_reason
 
-try:
-    check_available()
-    REASON = None
-except NetemUnavailable as error:
-    REASON = str(error)
-
+REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no emulated hosts: {REASON}")
 HOSTS = 4
 DIE_RANK, DIE_AT_STEP, CHECKPOINT_EVERY = 1, 13, 5
@@ -31,9 +24,7 @@ DIE_RANK, DIE_AT_STEP, CHECKPOINT_EVERY = 1, 13, 5
 def _torchrun(out, *script_args, max_restarts=0):
     """The script under torchrun on every host; returns each rank's info and parameters."""
     out.mkdir()
-    # the pyreducer under test (make cuda-check tests another build than the checkout's)
-    path = os.pathsep.join([os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path)
-    env = dict(PYTHONPATH=path, OMP_NUM_THREADS="1")
+    env = subprocess_env(OMP_NUM_THREADS="1")  # the pyreducer under test
     argv = ["-m", "pyreducer.testing.elastic_train", "--out", str(out),
             "--checkpoint-every", str(CHECKPOINT_EVERY)] + list(script_args)
     logs = [out / f"host{host}.log" for host in range(HOSTS)]

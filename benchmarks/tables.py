@@ -92,11 +92,12 @@ def sweep_table(doc: dict) -> str:
 def overlap_table(doc: dict, variant: str = "overlap") -> str:
     """The overlapped variant against issue 14's targets, one row per (model, link, hosts,
     cap): / torch DDP (paired), / the autotuned barrier, / the floor without the barrier, / the
-    floor with contention (compute slowed as it is beside communication), the schedule chosen
+    floor with contention (compute slowed as it is beside communication), the share of the
+    probed bandwidth the profiled backwards got (schedule.loaded_link), the schedule chosen
     and its prediction against the benchmark's time."""
     head = ["link", "hosts", "model", "cap", "torch DDP", "auto (barrier)", variant,
             f"{variant} / DDP (95% CI)", f"{variant} / auto", "floor", f"{variant} / floor",
-            "floor with contention", f"{variant} / it", "schedule chosen",
+            "floor with contention", f"{variant} / it", "link scale", "schedule chosen",
             "predicted / measured"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in doc["runs"]:
@@ -105,6 +106,8 @@ def overlap_table(doc: dict, variant: str = "overlap") -> str:
                 continue
             chosen = [x for x in e.get(f"{variant}_schedule", []) if x["event"] == "chosen"]
             schedule, predicted = "-", "-"
+            planned = [x for x in e.get(f"{variant}_schedule", []) if x["event"] == "planned"]
+            scale = planned[-1]["link"].get("bandwidth_scale") if planned else None
             if chosen:
                 schedule = chosen[-1]["describe"]
                 predicted = f"{chosen[-1]['predicted_ms'] / e[variant]['median_ms']:.2f}"
@@ -115,7 +118,8 @@ def overlap_table(doc: dict, variant: str = "overlap") -> str:
                  else "-"),
                 f"{e['floor_ms']:.1f}" if "floor_ms" in e else "-", _over(e, variant, "floor_ms"),
                 f"{e['contended_floor_ms']:.1f}" if "contended_floor_ms" in e else "-",
-                _over(e, variant, "contended_floor_ms"), schedule, predicted]) + " |")
+                _over(e, variant, "contended_floor_ms"),
+                "-" if scale is None else f"{scale:.2f}", schedule, predicted]) + " |")
     return "\n".join(lines)
 
 

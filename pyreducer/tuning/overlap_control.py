@@ -5,11 +5,12 @@ At the start of a synced forward, on every rank alike (the counters are synced f
 same everywhere): once `warmup` synced iterations ran with the bucket plan in force (and a
 bucket autotune, if any, has decided), the link is probed (collective, once), rank 0 builds an
 OverlapProfile from its timeline and the overlap events and broadcasts the candidates: the
-TRIALS schedules the step model predicts fastest, and torch DDP's step barrier (deferred
-completion off: every reduction completes at the backward's end). Every rank then installs
-each in turn for 1 + TRIAL_ITERATIONS synced iterations (the first, whose backward ran under
-the previous schedule, is not timed), in ROUNDS rounds, every other one in reverse order so
-that a drift of the machine's speed weighs on all alike; rank 0 times the steps between its
+TRIALS schedules the step model predicts fastest (on the probed link, its bandwidth scaled to
+what the profiled backwards got from it: schedule.loaded_link), and torch DDP's step barrier
+(deferred completion off: every reduction completes at the backward's end). Every rank then
+installs each in turn for 1 + TRIAL_ITERATIONS synced iterations (the first, whose backward ran
+under the previous schedule, is not timed), in ROUNDS rounds, every other one in reverse order
+so that a drift of the machine's speed weighs on all alike; rank 0 times the steps between its
 synced forwards (no collective per step: it would wait behind the reductions in flight and
 erase the overlap being measured; the ranks' steps are tied together by their collectives) and
 broadcasts which had the lowest median; every rank installs that one for good. The model ranks
@@ -175,18 +176,22 @@ class ScheduleTuner:
         profile.max_chunks = self.max_chunks()
         lanes = self.lanes()
         ranks = params.world_size
+        # the link as the profiled backwards saw it (the probe ran on idle ranks)
+        link, scale = schedule_model.loaded_link(records, self.link, ranks, lanes,
+                                                 self.reducer.launch_order(),
+                                                 self.reducer.launch_chunks())
         if self.chunk_bytes is None:  # the model's best few (distinct), to be measured
-            options = schedule_model.best_schedule(profile, self.link, ranks, lanes=lanes)[1]
+            options = schedule_model.best_schedule(profile, link, ranks, lanes=lanes)[1]
             trials = sorted(options, key=lambda o: o.predicted_ms)[:TRIALS]
             if self.set_barrier is not None:  # and the step it replaces: never slower than it
                 barrier = schedule_model.barrier_schedule(profile).predict(
-                    profile, self.link, ranks, lanes)
+                    profile, link, ranks, lanes)
                 options.append(barrier)
                 trials.append(barrier)
         else:  # the user's size, in the planned order (fifo predicted alongside, as a reference)
-            options = [schedule_model.fifo_schedule(profile).predict(profile, self.link, ranks,
+            options = [schedule_model.fifo_schedule(profile).predict(profile, link, ranks,
                                                                      lanes),
-                       schedule_model.planned_schedule(profile, self.chunk_bytes, self.link,
+                       schedule_model.planned_schedule(profile, self.chunk_bytes, link,
                                                        ranks, lanes)]
             trials = options[-1:]
         return dict(trials=[dict(order=o.order, chunks=o.chunks, chunk_bytes=o.chunk_bytes,
@@ -199,9 +204,11 @@ class ScheduleTuner:
                                      predicted_ms=o.predicted_ms)
                                 for o in options],
                     lanes=lanes,
-                    link=dict(latency_s=self.link.latency_s,
-                              bandwidth_bytes_per_s=self.link.bandwidth_bytes_per_s,
-                              contention=self.link.contention))
+                    link=dict(latency_s=link.latency_s,
+                              bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+                              contention=link.contention,
+                              probed_bandwidth_bytes_per_s=self.link.bandwidth_bytes_per_s,
+                              bandwidth_scale=scale))
 
     def lanes(self) -> int:
         """All-reduces the process group runs at once: Gloo's worker threads (2 unless the

@@ -36,6 +36,7 @@ settles (the channel and the reductions carry over from one iteration to the nex
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
@@ -210,6 +211,65 @@ def channel_done_ms(launch_ms: list[float], wire_ms: list[float], latency_ms: fl
         for a in active:
             a[1] = 0.0 if a[1] <= 1e-12 else a[1]
     return done
+
+
+LINK_SCALES = tuple(k / 100 for k in range(25, 151))  # bandwidth multipliers loaded_link tries
+
+
+def loaded_link(records: list[dict], link: LinkModel, ranks: int, lanes: int,
+                order: list[int], chunks: list[int]) -> tuple[LinkModel, float]:
+    """The link as the recorded backwards saw it: `link` with its bandwidth scaled (by one of
+    LINK_SCALES) so that the channel (channel_done_ms), fed each record's launches, completes
+    its buckets when the record says they did (least squares; the median scale over records).
+    Returns (that link, the scale); (link, 1.0) if no record has launch and done times.
+
+    The probe times all-reduces on an idle rank; beside backward, Gloo's threads and the
+    kernel's network stack wait for the core the compute holds, and the link delivered 0.7-0.8
+    of the probed rate on the emulated hosts (benchmarks/results/overlap_calibrated_*.md): a
+    planner that trusts the probe sends too much ahead of the first layers' bucket and predicts
+    a step 10-15% short. The records are the iterations the profile was made from (launched in
+    `order` with `chunks`, the schedule then installed): chunk k of the sequence launched when
+    its bucket was full and chunk k-1 had launched, the Reducer's rule."""
+    scales = []
+    for record in records:
+        fitted = _record_scale(record, link, ranks, lanes, order, chunks)
+        if fitted is not None:
+            scales.append(fitted)
+    if not scales:
+        return link, 1.0
+    scale = statistics.median(scales)
+    return dataclasses.replace(link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s * scale), \
+        scale
+
+
+def _record_scale(record: dict, link: LinkModel, ranks: int, lanes: int, order: list[int],
+                  chunks: list[int]) -> float | None:
+    buckets = record["buckets"]
+    if len(buckets) != len(chunks) or ranks < 2:
+        return None
+    start = record["backward_start_ns"]
+    measured = {b: (x["done_ns"] - start) * 1e-6 for b, x in enumerate(buckets)
+                if x.get("launch_ns") and x.get("done_ns")}
+    if not measured:
+        return None
+    launches, entries, previous = [], [], -math.inf
+    for b in order:
+        if b not in measured:
+            continue  # skipped (unused everywhere) or not recorded
+        previous = max(previous, (buckets[b]["launch_ns"] - start) * 1e-6)
+        launches.append(previous)
+        entries.append(b)
+    latency_ms = link.latency_s * 1e3
+
+    def error(scale: float) -> float:
+        wires = [link.wire_s(buckets[b]["size_bytes"] / chunks[b], ranks) * 1e3 / scale
+                 for b in entries]
+        done: dict[int, float] = {}
+        for b, finished in zip(entries, channel_done_ms(launches, wires, latency_ms, lanes)):
+            done[b] = max(done.get(b, -math.inf), finished)
+        return sum((done[b] - measured[b]) ** 2 for b in done)
+
+    return min(LINK_SCALES, key=error)
 
 
 def _backward(profile: OverlapProfile, order: list[int], chunks: list[int], link: LinkModel,

@@ -7,7 +7,7 @@ import pytest
 from pyreducer.tuning.linkmodel import LinkModel
 from pyreducer.tuning.schedule import (OverlapProfile, barrier_schedule, best_schedule,
                                        channel_done_ms, chunk_counts, fifo_schedule, predict_ms,
-                                       priority_order)
+                                       loaded_link, priority_order)
 
 MB = 1 << 20
 # 1 ms per MB, no latency, 2 ranks (ring factor 1): a bucket of s MB takes s ms
@@ -144,3 +144,45 @@ def test_barrier_prediction_by_hand():
     # compute-bound: the backward (30 ms) outlasts the communication, nothing is exposed
     slow = three_buckets(backward_ms=30.0)
     assert barrier_schedule(slow).predict(slow, LINK, 2).predicted_ms == pytest.approx(33.0)
+
+
+def _record(size_mb, ready_ms, order, chunks, link, lanes):
+    """A backward record whose buckets complete as `link` carries them (the Reducer's launch
+    rule: an entry launches when its bucket is full and the entry before it has launched)."""
+    ms = 1_000_000
+    launches, previous, first = [], -math.inf, {}
+    for b in order:
+        previous = max(previous, ready_ms[b])
+        launches.append(previous)
+        first.setdefault(b, previous)
+    wires = [link.wire_s(size_mb[b] * MB / chunks[b], 2) * 1e3 for b in order]
+    done = {}
+    for b, t in zip(order, channel_done_ms(launches, wires, link.latency_s * 1e3, lanes)):
+        done[b] = max(done.get(b, 0.0), t)
+    return dict(backward_start_ns=1000 * ms, buckets=[
+        dict(size_bytes=size_mb[b] * MB, ready_ns=(1000 + ready_ms[b]) * ms,
+             launch_ns=round((1000 + first[b]) * ms), done_ns=round((1000 + done[b]) * ms))
+        for b in range(len(size_mb))])
+
+
+@pytest.mark.parametrize("order,chunks", [([0, 1, 2], [1, 1, 1]),
+                                          ([0, 0, 1, 2, 2, 1], [2, 2, 2])])
+def test_loaded_link_recovers_the_rate_the_backward_got(order, chunks):
+    probed = LinkModel(latency_s=0.5e-3, bandwidth_bytes_per_s=MB * 1e3)
+    slower = LinkModel(latency_s=0.5e-3, bandwidth_bytes_per_s=0.7 * MB * 1e3)
+    # buckets fill faster than the slower link drains them: a backlog, as on the bench
+    records = [_record([4, 4, 2], [1.0 + jitter, 2.0, 3.0], order, chunks, slower, lanes=2)
+               for jitter in (0.0, 0.3, 0.6)]
+    link, scale = loaded_link(records, probed, 2, 2, order, chunks)
+    assert scale == pytest.approx(0.7)
+    assert link.bandwidth_bytes_per_s == pytest.approx(0.7 * MB * 1e3)
+    assert link.latency_s == probed.latency_s
+    # the probe's own rate is recovered when the backward got all of it
+    exact = [_record([4, 4, 2], [1.0, 2.0, 3.0], order, chunks, probed, lanes=2)]
+    assert loaded_link(exact, probed, 2, 2, order, chunks)[1] == pytest.approx(1.0)
+
+
+def test_loaded_link_without_times_keeps_the_probe():
+    record = dict(backward_start_ns=0, buckets=[dict(size_bytes=MB, launch_ns=0, done_ns=0)])
+    assert loaded_link([record], LINK, 2, 2, [0], [1]) == (LINK, 1.0)
+    assert loaded_link([], LINK, 2, 2, [0], [1]) == (LINK, 1.0)

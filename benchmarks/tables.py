@@ -107,7 +107,7 @@ def overlap_table(doc: dict, variant: str = "overlap") -> str:
             chosen = [x for x in e.get(f"{variant}_schedule", []) if x["event"] == "chosen"]
             schedule, predicted = "-", "-"
             planned = [x for x in e.get(f"{variant}_schedule", []) if x["event"] == "planned"]
-            scale = planned[-1]["link"].get("bandwidth_scale") if planned else None
+            scale = planned[-1].get("link", {}).get("bandwidth_scale") if planned else None
             if chosen:
                 schedule = chosen[-1]["describe"]
                 predicted = f"{chosen[-1]['predicted_ms'] / e[variant]['median_ms']:.2f}"

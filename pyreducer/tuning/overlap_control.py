@@ -14,12 +14,13 @@ so that a drift of the machine's speed weighs on all alike; rank 0 times the ste
 synced forwards (no collective per step: it would wait behind the reductions in flight and
 erase the overlap being measured; the ranks' steps are tied together by their collectives) and
 broadcasts which had the lowest median; every rank installs that one for good. The model ranks
-the schedules (its predictions were 1-13% off on the bench models: benchmarks/results/), and
-measurement decides among the best few, as bucket autotune does; the overlapped optimizer is
-not kept where it measured slower than the step it replaces (within the noise of a 6-step
-median). With a fixed chunk size there is one candidate, installed at once. A new bucket plan
-(rebuild, apply_bucket_plan) resets the Reducer to torch DDP's order, and the schedule is
-planned again for it after `warmup` more iterations.
+the schedules (on the bench models its predictions were within 15% of the trials' times, within
+10% for 15 of 20: benchmarks/results/overlap_calibrated_20261124.md), and measurement decides
+among the best few, as bucket autotune does; the overlapped optimizer is not kept where it
+measured slower than the step it replaces (within the noise of a 6-step median). With a fixed
+chunk size there is one candidate, installed at once. A new bucket plan (rebuild,
+apply_bucket_plan) resets the Reducer to torch DDP's order, and the schedule is planned again
+for it after `warmup` more iterations.
 """
 from __future__ import annotations
 

@@ -224,10 +224,10 @@ def loaded_link(records: list[dict], link: LinkModel, ranks: int, lanes: int,
     Returns (that link, the scale); (link, 1.0) if no record has launch and done times.
 
     The probe times all-reduces on an idle rank; beside backward, Gloo's threads and the
-    kernel's network stack wait for the core the compute holds, and the link delivered 0.7-0.8
-    of the probed rate on the emulated hosts (benchmarks/results/overlap_calibrated_*.md): a
-    planner that trusts the probe sends too much ahead of the first layers' bucket and predicts
-    a step 10-15% short. The records are the iterations the profile was made from (launched in
+    kernel's network stack wait for the core the compute holds: on the emulated hosts the link
+    delivered 0.67-0.89 of the probed rate at 1 Gbit/s, 0.28 at 10 Gbit/s
+    (benchmarks/results/overlap_calibrated_20261124.md). A planner that trusts the probe sends
+    too much ahead of the first layers' bucket and predicts steps 8-15% short. The records are the iterations the profile was made from (launched in
     `order` with `chunks`, the schedule then installed): chunk k of the sequence launched when
     its bucket was full and chunk k-1 had launched, the Reducer's rule."""
     scales = []

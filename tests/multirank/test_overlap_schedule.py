@@ -122,6 +122,10 @@ def test_planned_schedule_is_installed_alike_and_keeps_results(ranks_once, world
     for r in results:
         planned, chosen = r["log"]  # one candidate (a fixed size): installed at once
         assert planned["event"] == "planned" and planned["lanes"] == 2
+        link = planned["link"]  # planned on the rate the profiled backwards got (loaded_link)
+        assert 0.25 <= link["bandwidth_scale"] <= 1.5
+        assert link["bandwidth_bytes_per_s"] == pytest.approx(
+            link["probed_bandwidth_bytes_per_s"] * link["bandwidth_scale"])
         assert chosen["event"] == "chosen" and chosen["order"] == order  # rank 0's, everywhere
         assert chosen["chunk_bytes"] == CHUNK_BYTES
         assert r["set"] == (order, chunks)

@@ -59,7 +59,7 @@ def test_overlap_table_against_the_targets():
     entry = {"torch": summarize([0.400]), "auto": summarize([0.300]),
              "overlap": summarize([0.240]), "floor_ms": 200.0, "contended_floor_ms": 230.0,
              "paired_vs_torch": {"overlap": paired_ratio([240.0] * 3, [400.0] * 3)},
-             "overlap_schedule": [{"event": "planned"},
+             "overlap_schedule": [{"event": "planned", "link": {"bandwidth_scale": 0.8}},
                                   {"event": "chosen", "describe": "chunks of 4 MB, 10 all-reduces",
                                    "predicted_ms": 252.0}]}
     doc = {"runs": [{"model": "vgg", "link": "1gbit", "hosts": 2,
@@ -67,4 +67,6 @@ def test_overlap_table_against_the_targets():
     lines = tables.overlap_table(doc).splitlines()
     assert len(lines) == 3  # the cap without the overlap variant has no row
     assert "| 0.600 (0.600-0.600) | 0.800 | 200.0 | 1.200 | 230.0 | 1.043 |" in lines[2]
-    assert lines[2].endswith("| chunks of 4 MB, 10 all-reduces | 1.05 |")
+    assert lines[2].endswith("| 0.80 | chunks of 4 MB, 10 all-reduces | 1.05 |")
+    entry["overlap_schedule"][0] = {"event": "planned"}  # records from before loaded_link
+    assert "| 1.043 | - | chunks of 4 MB" in tables.overlap_table(doc).splitlines()[2]

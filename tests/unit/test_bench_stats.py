@@ -69,4 +69,22 @@ def test_overlap_table_against_the_targets():
     assert "| 0.600 (0.600-0.600) | 0.800 | 200.0 | 1.200 | 230.0 | 1.043 |" in lines[2]
     assert lines[2].endswith("| 0.80 | chunks of 4 MB, 10 all-reduces | 1.05 |")
     entry["overlap_schedule"][0] = {"event": "planned"}  # records from before loaded_link
-    assert "| 1.043 | - | chunks of 4 MB" in tables.overlap_table(doc).splitlines()[2]
+    assert "| 1.043 | - | - | - | chunks of 4 MB" in tables.overlap_table(doc).splitlines()[2]
+
+
+def test_first_read_is_the_exposed_part_of_the_first_read_buckets_all_reduce():
+    ms = 1_000_000
+    record = dict(backward_end_ns=100 * ms, buckets=[
+        dict(size_bytes=8 << 20, ready_ns=50 * ms), dict(size_bytes=4 << 20, ready_ns=98 * ms)],
+        overlap=dict(forward_start_ns=101 * ms, updates=[
+            dict(bucket=0, read_ns=130 * ms), dict(bucket=1, read_ns=102 * ms)]))
+    link = dict(latency_s=1e-3, bandwidth_bytes_per_s=(1 << 20) * 1e3 / 5)  # 5 ms per MB
+    entry = {"overlap_schedule": [{"event": "planned", "link": link}],
+             "overlap_timeline": [record, dict(record, overlap=dict(forward_start_ns=0,
+                                                                     updates=[]))]}
+    # bucket 1 is read first: 1 ms + 4 MB x 5 ms (2 ranks: ring factor 1), less the 2 ms it
+    # could run before the backward's end
+    assert tables.first_read_ms(entry, "overlap", 2) == pytest.approx(19.0)
+    # 4 ranks: ring factor 1.5
+    assert tables.first_read_ms(entry, "overlap", 4) == pytest.approx(29.0)
+    assert tables.first_read_ms({"overlap_schedule": [{"event": "planned"}]}, "overlap", 2) is None

@@ -42,9 +42,14 @@ py::list assign_buckets_py(const std::vector<int64_t>& sizes_bytes,
 }
 
 py::list bucket_layout(const Reducer& reducer) {
+  std::vector<std::vector<int64_t>> plan;
+  std::vector<int64_t> sizes;
+  {
+    py::gil_scoped_release no_gil;  // See bind_reducer
+    plan = reducer.plan();
+    sizes = reducer.bucket_sizes_bytes();
+  }
   py::list result;
-  const auto plan = reducer.plan();
-  const auto sizes = reducer.bucket_sizes_bytes();
   for (size_t b = 0; b < plan.size(); ++b) {
     py::dict entry;
     entry["param_indices"] = plan[b];
@@ -184,7 +189,11 @@ void bind_options(py::module_& m) {
 
 // A BackwardStats as a dict (see csrc/reducer.h; read by pyreducer/ddp_logging.py).
 py::dict backward_stats(const Reducer& reducer) {
-  const BackwardStats stats = reducer.last_backward_stats();
+  BackwardStats stats;
+  {
+    py::gil_scoped_release no_gil;  // See bind_reducer
+    stats = reducer.last_backward_stats();
+  }
   py::dict entry;
   entry["iteration"] = stats.iteration;
   entry["backward_start_ns"] = stats.backward_start_ns;
@@ -231,6 +240,7 @@ void register_averaging_hook(Reducer& reducer, ProcessGroupPtr group,
   options.post = post_op(post);
   options.post_value = post_value;
   options.name = name;
+  py::gil_scoped_release no_gil;  // See bind_reducer
   reducer.register_comm_hook(std::make_shared<AveragingHook>(std::move(group), options));
 }
 
@@ -259,6 +269,7 @@ void set_failure_context(Reducer& reducer, py::object context) {
     py::gil_scoped_acquire gil;
     delete obj;
   });
+  py::gil_scoped_release no_gil;  // See bind_reducer
   reducer.set_failure_context([held](const std::string& phase) -> std::string {
     py::gil_scoped_acquire gil;
     try {
@@ -269,55 +280,61 @@ void set_failure_context(Reducer& reducer, py::object context) {
   });
 }
 
-// The Reducer, held by shared_ptr (see Reducer::create). Methods that may block release the GIL.
+// The Reducer, held by shared_ptr (see Reducer::create). Every method that takes the Reducer's
+// lock does so without the GIL: the autograd thread holds that lock while a Python
+// communication hook runs, which takes the GIL, so a caller waiting for the lock with the GIL
+// (a thread reading the logging data during backward) would deadlock both.
 void bind_reducer(py::module_& m) {
+  const auto RELEASE = py::call_guard<py::gil_scoped_release>();
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
       .def(py::init(&Reducer::create), py::arg("params"), py::arg("param_names"),
            py::arg("initial_plan"), py::arg("process_group"), py::arg("options"))
       .def("register_comm_hook",
            [](Reducer& reducer, py::object state, py::object hook) {
-             reducer.register_comm_hook(
-                 std::make_shared<PythonCommHook>(std::move(state), std::move(hook)));
+             auto held = std::make_shared<PythonCommHook>(std::move(state), std::move(hook));
+             py::gil_scoped_release no_gil;
+             reducer.register_comm_hook(std::move(held));
            })
       .def("register_builtin_hook",
            [](Reducer& reducer, ProcessGroupPtr group, const std::string& name) {
              reducer.register_comm_hook(builtin_hook(std::move(group), name));
-           })
+           },
+           RELEASE)
       .def("register_averaging_hook", &register_averaging_hook,
            py::arg("process_group"), py::arg("reduce_dtype"), py::arg("pre_multiplier"),
            py::arg("post"), py::arg("post_value"), py::arg("name"),
            "See AveragingHook in csrc/comm_hook.h.")
-      .def("set_static_graph", &Reducer::set_static_graph, py::arg("rebuild"))
+      .def("set_static_graph", &Reducer::set_static_graph, py::arg("rebuild"), RELEASE)
       .def("set_deferred_completion", &set_deferred_completion, py::arg("deferred"),
            py::arg("on_deferred") = py::none(),
            "See Note [Deferred completion] in csrc/reducer.h.")
       .def("set_failure_context", &set_failure_context, py::arg("context"),
            "See Reducer::set_failure_context in csrc/reducer.h.")
-      .def("complete_bucket", &Reducer::complete_bucket, py::arg("bucket"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("complete_all", &Reducer::complete_all, py::call_guard<py::gil_scoped_release>())
-      .def("pending_buckets", &Reducer::pending_buckets)
+      .def("complete_bucket", &Reducer::complete_bucket, py::arg("bucket"), RELEASE)
+      .def("complete_all", &Reducer::complete_all, RELEASE)
+      .def("pending_buckets", &Reducer::pending_buckets, RELEASE)
       .def("set_launch_order", &Reducer::set_launch_order, py::arg("order"),
-           py::arg("chunks") = std::vector<int64_t>{})
-      .def("launch_order", &Reducer::launch_order)
-      .def("launch_chunks", &Reducer::launch_chunks)
-      .def("has_comm_hook", &Reducer::has_comm_hook)
-      .def("plan_version", &Reducer::plan_version)
-      .def("divide_next_backward_by", &Reducer::divide_next_backward_by, py::arg("ranks"))
-      .def_property_readonly("num_iterations", &Reducer::num_iterations)
+           py::arg("chunks") = std::vector<int64_t>{}, RELEASE)
+      .def("launch_order", &Reducer::launch_order, RELEASE)
+      .def("launch_chunks", &Reducer::launch_chunks, RELEASE)
+      .def("has_comm_hook", &Reducer::has_comm_hook, RELEASE)
+      .def("plan_version", &Reducer::plan_version, RELEASE)
+      .def("divide_next_backward_by", &Reducer::divide_next_backward_by, py::arg("ranks"),
+           RELEASE)
+      .def_property_readonly("num_iterations",
+                             py::cpp_function(&Reducer::num_iterations, RELEASE))
       .def("backward_stats", &backward_stats)
-      .def("last_error", &Reducer::last_error)
-      .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("note_unsynced_forward", &Reducer::note_unsynced_forward)
-      .def("shadow_backward", &Reducer::shadow_backward, py::call_guard<py::gil_scoped_release>())
-      .def("apply_plan", &Reducer::apply_plan, py::arg("plan"))
-      .def("rebuild_buckets", &Reducer::rebuild_buckets, py::call_guard<py::gil_scoped_release>())
+      .def("last_error", &Reducer::last_error, RELEASE)
+      .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"), RELEASE)
+      .def("note_unsynced_forward", &Reducer::note_unsynced_forward, RELEASE)
+      .def("shadow_backward", &Reducer::shadow_backward, RELEASE)
+      .def("apply_plan", &Reducer::apply_plan, py::arg("plan"), RELEASE)
+      .def("rebuild_buckets", &Reducer::rebuild_buckets, RELEASE)
       .def("bucket_layout", &bucket_layout)
-      .def("bucket_buffers", &Reducer::bucket_buffers)
+      .def("bucket_buffers", &Reducer::bucket_buffers, RELEASE)
       .def("timeline", &timeline_records, py::arg("last"))
       .def_static("now_ns", &Timeline::now_ns)
-      .def_property_readonly("armed", &Reducer::armed)
+      .def_property_readonly("armed", py::cpp_function(&Reducer::armed, RELEASE))
       .def_property_readonly("world_size", &Reducer::world_size);
 }
 

@@ -1,7 +1,8 @@
 """Communication hooks: torch's own hooks (torch.distributed.algorithms.ddp_comm_hooks) give the
 same parameters with pyreducer as with torch DDP; pyreducer's built-in C++ fp16/bf16 hooks match
 a plain-torch reference (torch's bf16 hook refuses to run without CUDA/NCCL); a Python hook runs
-no pyreducer Python code around it; misuse gives clear errors."""
+no pyreducer Python code around it; another thread reading the wrapper's state while a Python
+hook runs does not deadlock; misuse gives clear errors."""
 import copy
 import os
 import sys
@@ -293,3 +294,51 @@ def test_a_hook_raising_on_one_rank_ends_every_rank_with_an_error(ranks_once):
     assert one is not None and "raised for bucket 0: ValueError: boom on rank 1" in one
     assert zero is not None and "failed for bucket 0 on rank 0" in zero, zero
     assert zero_s < 20, f"rank 0 waited {zero_s:.0f} s"  # not the process group's timeout
+
+
+def watched_hook_worker(rank, world_size):
+    """A Python thread reads the wrapper's state (logging data, timeline, the Reducer's getters)
+    without pause while backward runs a Python communication hook. The hook runs on the autograd
+    thread under the Reducer's lock and needs the GIL: a getter that held the GIL while waiting
+    for that lock deadlocked both threads."""
+    import threading
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing import models
+
+    spec = models.spec("mlp")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(spec.build(), bucket_cap_mb=0.05)
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    stop, reads = threading.Event(), [0]
+
+    def watch():
+        reducer = model.reducer
+        while not stop.is_set():
+            reducer.num_iterations, reducer.armed, reducer.pending_buckets()
+            reducer.launch_order(), reducer.launch_chunks(), reducer.plan_version()
+            reducer.has_comm_hook(), reducer.last_error(), reducer.backward_stats()
+            reducer.bucket_layout(), reducer.bucket_buffers()
+            model._get_ddp_logging_data()
+            reads[0] += 1
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        params = _train(model, spec, rank, steps=30)
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+    return reads[0], params
+
+
+def test_state_read_from_another_thread_during_a_python_hook_does_not_deadlock():
+    from pyreducer.testing.ranks import run_ranks
+
+    results = run_ranks(watched_hook_worker, 2, timeout_s=90)
+    for reads, _ in results:
+        assert reads > 0  # the watcher did run beside the training
+    for ours, theirs in zip(results[0][1], results[1][1]):
+        assert torch.equal(ours, theirs)

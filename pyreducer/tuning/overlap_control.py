@@ -24,6 +24,7 @@ for it after `warmup` more iterations.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -178,9 +179,9 @@ class ScheduleTuner:
         lanes = self.lanes()
         ranks = params.world_size
         # the link as the profiled backwards saw it (the probe ran on idle ranks)
+        profiled = dict(order=self.reducer.launch_order(), chunks=self.reducer.launch_chunks())
         link, scale = schedule_model.loaded_link(records, self.link, ranks, lanes,
-                                                 self.reducer.launch_order(),
-                                                 self.reducer.launch_chunks())
+                                                 profiled["order"], profiled["chunks"])
         if self.chunk_bytes is None:  # the model's best few (distinct), to be measured
             options = schedule_model.best_schedule(profile, link, ranks, lanes=lanes)[1]
             trials = sorted(options, key=lambda o: o.predicted_ms)[:TRIALS]
@@ -205,6 +206,8 @@ class ScheduleTuner:
                                      predicted_ms=o.predicted_ms)
                                 for o in options],
                     lanes=lanes,
+                    # what the model saw, so that its predictions can be checked offline
+                    profile=dataclasses.asdict(profile), profiled_schedule=profiled,
                     link=dict(latency_s=link.latency_s,
                               bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
                               contention=link.contention,

@@ -126,6 +126,10 @@ def test_planned_schedule_is_installed_alike_and_keeps_results(ranks_once, world
         assert 0.25 <= link["bandwidth_scale"] <= 1.5
         assert link["bandwidth_bytes_per_s"] == pytest.approx(
             link["probed_bandwidth_bytes_per_s"] * link["bandwidth_scale"])
+        # the profile the model planned from, and the schedule it was recorded under
+        assert len(planned["profile"]["ready_ms"]) == len(chunks)
+        assert planned["profiled_schedule"] == dict(order=list(range(len(chunks))),
+                                                    chunks=[1] * len(chunks))
         assert chosen["event"] == "chosen" and chosen["order"] == order  # rank 0's, everywhere
         assert chosen["chunk_bytes"] == CHUNK_BYTES
         assert r["set"] == (order, chunks)

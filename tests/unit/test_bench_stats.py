@@ -1,5 +1,6 @@
 """The benchmark statistics in pyreducer.tools.compare (summaries and paired ratios), and the
-record tables of benchmarks/tables.py."""
+record tables of benchmarks/tables.py, and the overlap model check of
+benchmarks/validate_overlap_model.py."""
 import numpy as np
 import pytest
 
@@ -88,3 +89,35 @@ def test_first_read_is_the_exposed_part_of_the_first_read_buckets_all_reduce():
     # 4 ranks: ring factor 1.5
     assert tables.first_read_ms(entry, "overlap", 4) == pytest.approx(29.0)
     assert tables.first_read_ms({"overlap_schedule": [{"event": "planned"}]}, "overlap", 2) is None
+
+
+def test_overlap_model_validation_recomputes_predictions_from_the_logged_profile():
+    import dataclasses
+
+    from benchmarks import validate_overlap_model
+    from pyreducer.tuning.linkmodel import LinkModel
+    from pyreducer.tuning.schedule import OverlapProfile, Schedule
+
+    profile = OverlapProfile(ready_ms=[1.0, 3.0], size_bytes=[4 << 20, 4 << 20], backward_ms=3.0,
+                             read_order=[1, 0], segment_ms=[1.0, 1.0], tail_ms=0.0,
+                             update_ms=[0.0, 0.0], gap_ms=0.0)
+    link = LinkModel(latency_s=0.0, bandwidth_bytes_per_s=(1 << 20) * 1e3)  # 1 ms per MB
+    fifo = dict(order=[0, 1], chunks=[1, 1], chunk_bytes=None, budget_bytes=None,
+                barrier=False, describe="whole buckets")
+    barrier = dict(fifo, barrier=True, describe="barrier")
+    entry = {"overlap": summarize([0.020]), "overlap_schedule": [
+        {"event": "planned", "profile": dataclasses.asdict(profile), "lanes": 1,
+         "trials": [fifo, barrier],
+         "link": {"latency_s": 0.0, "bandwidth_bytes_per_s": (1 << 20) * 1e3,
+                  "contention": 0.0}},
+        {"event": "measured", "describe": "whole buckets", "measured_ms": 11.0},
+        {"event": "measured", "describe": "barrier", "measured_ms": 16.0},
+        {"event": "chosen", "describe": "whole buckets"}]}
+    rows = validate_overlap_model.predictions(entry, ranks=2)
+    expected = Schedule([0, 1], [1, 1], None).predict(profile, link, 2).predicted_ms
+    assert rows[0]["predicted_ms"] == pytest.approx(expected)
+    assert rows[0]["measured_ms"] == 11.0 and rows[0]["bench_ms"] == pytest.approx(20.0)
+    assert rows[1]["measured_ms"] == 16.0 and "bench_ms" not in rows[1]
+    assert rows[1]["predicted_ms"] != rows[0]["predicted_ms"]  # the barrier waits for both
+    del entry["overlap_schedule"][0]["profile"]  # a run from before the profile was logged
+    assert validate_overlap_model.predictions(entry, ranks=2) is None

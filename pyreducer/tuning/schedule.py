@@ -225,11 +225,12 @@ def loaded_link(records: list[dict], link: LinkModel, ranks: int, lanes: int,
 
     The probe times all-reduces on an idle rank; beside backward, Gloo's threads and the
     kernel's network stack wait for the core the compute holds: on the emulated hosts the link
-    delivered 0.67-0.89 of the probed rate at 1 Gbit/s, 0.28 at 10 Gbit/s
+    delivered 0.67-0.96 of the probed rate at 1 Gbit/s, 0.28-0.44 at 10 Gbit/s
     (benchmarks/results/overlap_calibrated_20261124.md). A planner that trusts the probe sends
-    too much ahead of the first layers' bucket and predicts steps 8-15% short. The records are the iterations the profile was made from (launched in
-    `order` with `chunks`, the schedule then installed): chunk k of the sequence launched when
-    its bucket was full and chunk k-1 had launched, the Reducer's rule."""
+    too much ahead of the first layers' bucket and predicts steps 8-15% short. The records are
+    the iterations the profile was made from (launched in `order` with `chunks`, the schedule
+    then installed): chunk k of the sequence launched when its bucket was full and chunk k-1
+    had launched, the Reducer's rule."""
     scales = []
     for record in records:
         fitted = _record_scale(record, link, ranks, lanes, order, chunks)

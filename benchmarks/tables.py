@@ -37,22 +37,35 @@ def _over(entry: dict, variant: str, key: str) -> str:
     return f"{entry[variant]['median_ms'] / entry[key]:.3f}"
 
 
+def last_event(entry: dict, variant: str, event: str) -> dict | None:
+    """The last `event` ("planned", "chosen", ...) of the variant's schedule log, or None."""
+    events = [x for x in entry.get(f"{variant}_schedule", []) if x["event"] == event]
+    return events[-1] if events else None
+
+
+def planned_link(planned: dict):
+    """The link a planned event's schedules were predicted on (the loaded one), as a LinkModel."""
+    from pyreducer.tuning.linkmodel import LinkModel
+
+    link = planned["link"]
+    return LinkModel(link["latency_s"], link["bandwidth_bytes_per_s"], link.get("contention", 0.0))
+
+
 def first_read_ms(entry: dict, variant: str, ranks: int) -> float | None:
     """What no schedule can hide, from the variant's last overlapped record: the all-reduce of
     the bucket the next forward reads first, on the planner's (loaded) link, less the part of it
     that could run before the backward ends (it starts once that bucket is full). The forward
     cannot start before it completes, and backward has nothing left to compute. None without an
     overlapped record or a planned link."""
-    planned = [x for x in entry.get(f"{variant}_schedule", []) if x["event"] == "planned"]
+    planned = last_event(entry, variant, "planned")
     records = [r for r in entry.get(f"{variant}_timeline", [])  # followed by a forward
                if (r.get("overlap") or {}).get("updates") and r["overlap"]["forward_start_ns"]]
-    if not planned or "link" not in planned[-1] or not records or ranks < 2:
+    if planned is None or "link" not in planned or not records or ranks < 2:
         return None
-    link, record = planned[-1]["link"], records[-1]
+    record = records[-1]
     first = min(record["overlap"]["updates"], key=lambda u: u["read_ns"])["bucket"]
     bucket = record["buckets"][first]
-    allreduce_ms = (link["latency_s"] + 2 * (ranks - 1) / ranks * bucket["size_bytes"]
-                    / link["bandwidth_bytes_per_s"]) * 1e3
+    allreduce_ms = planned_link(planned).allreduce_s(bucket["size_bytes"], ranks) * 1e3
     head_start_ms = max(0, record["backward_end_ns"] - bucket["ready_ns"]) * 1e-6
     return max(0.0, allreduce_ms - head_start_ms)
 
@@ -125,16 +138,16 @@ def overlap_table(doc: dict, variant: str = "overlap") -> str:
         for cap, e in run["results"].items():
             if variant not in e:
                 continue
-            chosen = [x for x in e.get(f"{variant}_schedule", []) if x["event"] == "chosen"]
+            chosen = last_event(e, variant, "chosen")
             schedule, predicted = "-", "-"
-            planned = [x for x in e.get(f"{variant}_schedule", []) if x["event"] == "planned"]
-            scale = planned[-1].get("link", {}).get("bandwidth_scale") if planned else None
+            planned = last_event(e, variant, "planned")
+            scale = planned.get("link", {}).get("bandwidth_scale") if planned else None
             first = first_read_ms(e, variant, run["hosts"])
             bound = None if first is None or "contended_floor_ms" not in e else \
                 e["contended_floor_ms"] + first
             if chosen:
-                schedule = chosen[-1]["describe"]
-                predicted = f"{chosen[-1]['predicted_ms'] / e[variant]['median_ms']:.2f}"
+                schedule = chosen["describe"]
+                predicted = f"{chosen['predicted_ms'] / e[variant]['median_ms']:.2f}"
             lines.append("| " + " | ".join([
                 run["link"], str(run["hosts"]), run["model"], cap, _ms(e, "torch"),
                 _ms(e, "auto"), _ms(e, variant), _paired(e, variant),

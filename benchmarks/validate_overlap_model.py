@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pyreducer.tuning.linkmodel import LinkModel  # noqa: E402
+from benchmarks import tables  # noqa: E402
 from pyreducer.tuning.schedule import OverlapProfile, Schedule  # noqa: E402
 
 
@@ -26,16 +26,14 @@ def predictions(entry: dict, ranks: int, variant: str = "overlap") -> list[dict]
     """Per schedule timed: describe, predicted_ms, measured_ms (trial median), and for the one
     chosen also bench_ms (the benchmark's median). None if the run logged no profile (before
     the planned event carried one)."""
-    log = entry.get(f"{variant}_schedule", [])
-    planned = [e for e in log if e["event"] == "planned"]
-    if not planned or "profile" not in planned[-1]:
+    planned = tables.last_event(entry, variant, "planned")
+    if planned is None or "profile" not in planned:
         return None
-    planned = planned[-1]
     profile = OverlapProfile(**planned["profile"])
-    link = planned["link"]
-    link = LinkModel(link["latency_s"], link["bandwidth_bytes_per_s"], link["contention"])
-    measured = {e["describe"]: e["measured_ms"] for e in log if e["event"] == "measured"}
-    chosen = [e for e in log if e["event"] == "chosen"]
+    link = tables.planned_link(planned)
+    measured = {e["describe"]: e["measured_ms"] for e in entry[f"{variant}_schedule"]
+                if e["event"] == "measured"}
+    chosen = tables.last_event(entry, variant, "chosen")
     rows = []
     for trial in planned["trials"]:
         schedule = Schedule(trial["order"], trial["chunks"], trial["chunk_bytes"],
@@ -44,7 +42,7 @@ def predictions(entry: dict, ranks: int, variant: str = "overlap") -> list[dict]
                    predicted_ms=schedule.predict(profile, link, ranks,
                                                  planned["lanes"]).predicted_ms,
                    measured_ms=measured.get(trial["describe"]))
-        if chosen and chosen[-1]["describe"] == trial["describe"] and variant in entry:
+        if chosen and chosen["describe"] == trial["describe"] and variant in entry:
             row["bench_ms"] = entry[variant]["median_ms"]
         rows.append(row)
     return rows

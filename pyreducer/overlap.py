@@ -19,8 +19,11 @@ Reads are caught exactly: at step(), every parameter whose update is pending get
 its own class (its __class__ is swapped; isinstance checks still hold) whose __torch_function__
 updates the parameter's bucket, restores the class and only then runs the operation. Any torch
 operation on it, anywhere (its module's forward, a parent reading a tied or child weight,
-F.linear(x, m.weight), .data, .grad, detach(), state_dict(), torch.save, printing) therefore sees
-the updated value; a forward pre-hook on every submodule starts the updates of its own
+F.linear(x, m.weight), .data, .grad, detach(), state_dict(), torch.save, printing, a tensor
+passed inside a dict to handle_torch_function) therefore sees the updated value; pickling and
+copy.deepcopy update first too, and a copy of the module gets hooks that do nothing (the copy is
+not overlapped; tests/multirank/test_overlap_reads.py checks each read against torch DDP's
+step). A forward pre-hook on every submodule starts the updates of its own
 parameters a little earlier. The wrapper's forward completes whatever the forward did not read
 before its backward, and a forward of model.module itself completes everything first (a backward
 through it would add into gradients still pending).
@@ -31,6 +34,7 @@ import collections
 import weakref
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from pyreducer._ext import _C
 from pyreducer.tuning.overlap_control import ScheduleTuner
@@ -46,6 +50,9 @@ def _pending_class(cls: type) -> type:
     if cls not in _PENDING_CLASSES:
         _PENDING_CLASSES[cls] = type(f"Pending{cls.__name__}", (cls,),
                                      {"__torch_function__": classmethod(_pending_torch_function),
+                                      "__reduce_ex__": _pending_reduce_ex,
+                                      "__deepcopy__": _pending_deepcopy,
+                                      "_pyreducer_pending": True,
                                       "__module__": __name__})
     return _PENDING_CLASSES[cls]
 
@@ -62,11 +69,56 @@ def _pending_torch_function(cls, func, types, args=(), kwargs=None):
 
 
 def _tensors_in(args, kwargs):
-    for value in list(args) + list(kwargs.values()):
+    """Every tensor in `args` and `kwargs`, at any depth of lists, tuples and dicts (a library
+    function may pass its tensors to handle_torch_function inside a dict)."""
+    for value in tree_leaves((args, kwargs)):
         if isinstance(value, torch.Tensor):
             yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _settled(param: torch.Tensor) -> type:
+    """Updates `param` if it is pending (as a read would), and returns the class whose methods
+    copy it: its own again, or (inside an update, where reads pass through) the one it had."""
+    overlap = getattr(param, "_pyreducer_overlap", None)
+    if overlap is not None:
+        overlap.update_parameter(param)
+    cls = type(param)
+    return cls.__mro__[1] if cls.__dict__.get("_pyreducer_pending") else cls
+
+
+def _pending_reduce_ex(self, proto):
+    """Pickling (torch.save of a module, of a parameter) reads the updated value, and never
+    the optimizer the pending parameter points to."""
+    return _settled(self).__reduce_ex__(self, proto)
+
+
+def _pending_deepcopy(self, memo):
+    """copy.deepcopy: the updated value, in a parameter of the class it had."""
+    return _settled(self).__deepcopy__(self, memo)
+
+
+class _ModuleHook:
+    """A hook the overlapped optimizer puts on the user's modules: calls `method` of the
+    optimizer while it lives. A copy of the module (copy.deepcopy, torch.save of the module)
+    gets a hook that does nothing: the copy is not overlapped, and the optimizer is neither
+    pickled nor copied with it."""
+
+    def __init__(self, method):
+        self.method = weakref.WeakMethod(method)
+
+    def __call__(self, *args, **kwargs):
+        method = self.method()
+        return None if method is None else method(*args, **kwargs)
+
+    def __reduce__(self):
+        return (_InertHook, ())
+
+
+class _InertHook:
+    """What a _ModuleHook becomes in a copy of the module."""
+
+    def __call__(self, *args, **kwargs):
+        return None
 
 
 class OverlapOptimizer(torch.optim.Optimizer):
@@ -153,12 +205,12 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # module that read the parameter (events(): "module").
         self.names = {id(m): name or "(root)" for name, m in module.named_modules()}
         self.running: list[str] = []
-        self.handles = [m.register_forward_pre_hook(self._before_module)
+        self.handles = [m.register_forward_pre_hook(_ModuleHook(self._before_module))
                         for m in module.modules()]
-        self.handles += [m.register_forward_hook(self._after_module, always_call=True)
-                         for m in module.modules()]
-        self.handles.append(module.register_forward_pre_hook(self._before_root))
-        self.handles.append(module.register_state_dict_pre_hook(lambda *args: self.synchronize()))
+        self.handles += [m.register_forward_hook(_ModuleHook(self._after_module),
+                                                 always_call=True) for m in module.modules()]
+        self.handles.append(module.register_forward_pre_hook(_ModuleHook(self._before_root)))
+        self.handles.append(module.register_state_dict_pre_hook(_ModuleHook(self._synchronize_for)))
 
     @property
     def schedule_log(self) -> list[dict]:
@@ -375,6 +427,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def _before_root(self, module, args) -> None:
         if not self.in_forward and (self.pending or self.reducer.pending_buckets()):
             self.synchronize()  # a forward of the module itself, not through the wrapper
+
+    def _synchronize_for(self, *args) -> None:  # a state_dict() of the module
+        self.synchronize()
 
     def remove(self) -> None:
         self.synchronize()

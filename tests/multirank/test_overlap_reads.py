@@ -1,0 +1,148 @@
+"""Reads outside the forward with an overlapped optimizer (pyreducer/overlap.py): after step() the
+updates are pending, and each way of reading parameters, gradients or optimizer state must see
+them done. Each read is checked on its own, right after step(), against the same loop and read
+with torch DDP's step (pyreducer without the overlapped optimizer: every update done at step()),
+bit for bit, at 2 and 3 ranks (schedule="fifo": torch DDP's sums); then one more step must end
+equal too. Also that the read itself completed what it should (no pending class left), and that
+an overlapped wrapper refuses to be pickled by name."""
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import handle_torch_function, has_torch_function
+
+X = torch.linspace(-1, 1, 32).reshape(4, 8)  # a fixed input for evaluation forwards
+
+
+def _scaled_by(weights: dict, x):
+    """A library-style function whose tensors come in a dict (the pending parameter is not a
+    top-level argument of the __torch_function__ call)."""
+    if has_torch_function((weights["w"],)):
+        return handle_torch_function(_scaled_by, (weights["w"],), weights, x)
+    return x @ weights["w"].t()
+
+
+def _saved(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+# read name -> (what it returns, whether it must complete every pending update)
+READS = {
+    "state_dict": (lambda m, o: copy.deepcopy(m.state_dict()), True),
+    "optimizer_state_dict": (lambda m, o: copy.deepcopy(o.state_dict()["state"]), True),
+    "synchronize": (lambda m, o: m.synchronize(), True),
+    "module_forward": (lambda m, o: m.module(X).detach(), True),
+    "eval_no_grad": (lambda m, o: _evaluate(m), True),
+    "torch_save_module": (lambda m, o: [p.detach() for p in _saved(m.module).parameters()], True),
+    "pickle_parameters": (lambda m, o: [p.detach() for p in
+                                        pickle.loads(pickle.dumps(list(m.parameters())))], True),
+    "deepcopy_module": (lambda m, o: _deepcopied(m.module), True),
+    "grads": (lambda m, o: [p.grad.clone() for p in m.parameters()], True),
+    "nested_dict_arg": (lambda m, o: _scaled_by({"w": m.module[0].weight}, X).detach(), False),
+}
+
+
+def _evaluate(model):
+    model.eval()
+    with torch.no_grad():
+        out = model(X)
+    model.train()
+    return out
+
+
+def _deepcopied(module):
+    clone = copy.deepcopy(module)
+    return [(type(p).__name__, p.detach()) for p in clone.parameters()]
+
+
+def _loop(rank, read, overlapped):
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)),
+                                    bucket_cap_mb=0.0001)  # a bucket per parameter
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, foreach=False)
+    if overlapped:
+        opt = model.overlap_optimizer(opt, schedule="fifo")
+    gen = torch.Generator().manual_seed(rank)
+
+    def train_step():
+        model(torch.randn(4, 8, generator=gen)).sum().backward()
+        opt.step()
+
+    for _ in range(2):
+        train_step()
+        opt.zero_grad()
+    train_step()  # overlapped: its updates pending now
+    in_flight = len(model.reducer.pending_buckets())
+    value = READS[read][0](model, opt)
+    left = len(model.reducer.pending_buckets())
+    classes = [type(p).__name__ for p in model.parameters()]  # looking at a class reads nothing
+    opt.zero_grad()
+    train_step()
+    model.synchronize()
+    return dict(in_flight=in_flight, value=value, left=left, classes=classes,
+                params=[p.detach().clone() for p in model.parameters()],
+                state=copy.deepcopy(opt.state_dict()["state"]))
+
+
+def reads_worker(rank, world_size):
+    return {read: dict(ours=_loop(rank, read, True), barrier=_loop(rank, read, False))
+            for read in READS}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"{ws}ranks")
+def reads(request, ranks_once):
+    return ranks_once(reads_worker, request.param, ())
+
+
+def _equal(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_read_after_step_sees_every_update(reads, read):
+    for rank, r in enumerate(reads):
+        ours, barrier = r[read]["ours"], r[read]["barrier"]
+        assert ours["in_flight"] > 0, "nothing was pending: the read checks nothing"
+        assert _equal(ours["value"], barrier["value"]), f"rank {rank}: {read} saw stale values"
+        if READS[read][1]:
+            assert ours["left"] == 0 and ours["classes"] == ["Parameter"] * 4, \
+                f"rank {rank}: {read} left {ours['left']} buckets pending ({ours['classes']})"
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_training_after_the_read_ends_equal(reads, read):
+    for rank, r in enumerate(reads):
+        ours, barrier = r[read]["ours"], r[read]["barrier"]
+        assert _equal(ours["params"], barrier["params"]), f"rank {rank}: parameters after {read}"
+        assert _equal(ours["state"], barrier["state"]), f"rank {rank}: optimizer state"
+
+
+def pickle_worker(rank, world_size):
+    from pyreducer import DistributedDataParallel
+
+    model = DistributedDataParallel(nn.Linear(8, 2))
+    model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        pickle.dumps(model)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_overlapped_wrapper_refuses_pickling_by_name(ranks_once):
+    for message in ranks_once(pickle_worker, 2, ()):
+        assert message and "overlapped optimizer cannot be pickled" in message, message

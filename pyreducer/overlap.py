@@ -269,6 +269,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         self.synchronize()
         self.optimizer.load_state_dict(state_dict)
+        # torch's load_state_dict gives the optimizer new param_groups and state objects: share
+        # those, or an LR scheduler driving this object would set a learning rate no step reads
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
 
     # -- reductions and updates ------------------------------------------------------------------
     def _backward_ended(self) -> None:

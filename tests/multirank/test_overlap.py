@@ -3,9 +3,12 @@ seed, same data, the same loop (backward, step, zero_grad); parameters and optim
 the steps bit for bit (foreach=False implementations and the defaults), with LR schedulers,
 gradient clipping, no_sync accumulation, unused parameters, tied weights, a parameter read
 outside its module, bucket views, static graph, a communication hook, and a checkpoint resumed
-mid-training; at 2 ranks (the default, planned schedule) and 3 (torch DDP's order, the one
-bitwise there). Also that the updates really are deferred to the next forward,
-and that reads outside it (state_dict, model.module, evaluation) see every update."""
+mid-training. Three passes: 2 ranks with the default schedule ("auto": torch DDP's order until
+it plans), 2 ranks with the buckets cut into chunks launched in the planned order from the
+fourth step, and 3 ranks with torch DDP's order (the one bitwise there; chunks at 3 ranks:
+test_overlap_schedule.py). Also that the updates really are deferred to the next forward, that
+the launch order is the same on every rank whatever the timing, and what the timeline shows.
+Reads outside the forward: test_overlap_reads.py."""
 import copy
 import re
 
@@ -55,6 +58,10 @@ def _optimizer(kind, params):
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
     if kind == "adam_default":
         return torch.optim.Adam(params, lr=1e-2)
+    if kind == "adamw_default":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if kind == "sgd_default":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
     raise ValueError(kind)
 
 
@@ -69,8 +76,11 @@ SCHEDULERS = {
 CASES = {
     "mlp_sgd": dict(model="mlp", opt="sgd"),
     "mlp_adam": dict(model="mlp", opt="adam", ddp=dict(bucket_cap_mb=0.3)),
-    "mlp_adamw_default_foreach": dict(model="mlp", opt="adam_default",
-                                      ddp=dict(bucket_cap_mb=0.3)),
+    "mlp_adam_default_foreach": dict(model="mlp", opt="adam_default",
+                                     ddp=dict(bucket_cap_mb=0.3)),
+    "mlp_adamw_default_foreach": dict(model="mlp", opt="adamw_default",
+                                      ddp=dict(bucket_cap_mb=0.1)),
+    "cnn_sgd_default_foreach": dict(model="cnn", opt="sgd_default", ddp=dict(bucket_cap_mb=0.01)),
     "mlp_adamw": dict(model="mlp", opt="adamw", ddp=dict(bucket_cap_mb=0.1)),
     "cnn_sgd": dict(model="cnn", opt="sgd", ddp=dict(bucket_cap_mb=0.01)),
     "tied_adam": dict(model="tied", opt="adam", ddp=dict(bucket_cap_mb=0.001)),
@@ -100,7 +110,16 @@ CASES = {
 }
 
 
-def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None):
+def _schedule(case, mode):
+    """The overlapped optimizer's options in pass `mode` (see the module doc)."""
+    if case.get("hold_back") or mode == "fifo":
+        return dict(schedule="fifo", hold_back=case.get("hold_back", 0))
+    if mode == "chunks":  # about 4 chunks a bucket
+        return dict(schedule=case.get("ddp", {}).get("bucket_cap_mb", 0.4) / 4)
+    return dict(schedule="auto")
+
+
+def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None, mode="auto"):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     ours = not cls.__module__.startswith("torch")
@@ -112,19 +131,17 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         opt = _optimizer(case["opt"], model.parameters())
         if ours:
-            # At 3 ranks only torch DDP's whole buckets give its sums bit for bit (a chunk may be
-            # summed in another order: Note [Launch order]); the planned schedule is checked
-            # there within 1e-6 (test_overlap_schedule.py). At 2 ranks: the default, "auto".
-            hold_back = case.get("hold_back", 0)
-            fifo = hold_back or torch.distributed.get_world_size() > 2
-            opt = model.overlap_optimizer(opt, max_grad_norm=case.get("clip"), hold_back=hold_back,
-                                          schedule="fifo" if fifo else "auto")
+            opt = model.overlap_optimizer(opt, max_grad_norm=case.get("clip"),
+                                          **_schedule(case, mode))
+            if opt.tuner is not None and mode == "chunks":  # planned after 2 iterations with
+                # the plan, not the default 4
+                opt.tuner.warmup = 2
         scheduler = SCHEDULERS[case["scheduler"]](opt) if "scheduler" in case else None
         return model, opt, scheduler
 
     model, opt, scheduler = build(copy.deepcopy(base))
     gen = torch.Generator().manual_seed(1000 + rank)
-    deferred = []
+    deferred, chunked = [], 0
     for step in range(steps):
         if step == resume_at:  # a checkpoint written mid-training, resumed in a new wrapper
             saved = dict(model=copy.deepcopy(model.module.state_dict()),
@@ -145,6 +162,7 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
             loss_fn(model, batch, step).backward()
         if ours:
             deferred.append(len(model.reducer.pending_buckets()))
+            chunked += max(model.reducer.launch_chunks()) > 1
         if case.get("user_clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), case["user_clip"])
         elif case.get("clip") and not ours:
@@ -156,12 +174,15 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
     params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.module.named_buffers()}
     state = opt.state_dict()["state"]
-    return dict(params=params, buffers=buffers, deferred=deferred,
+    return dict(params=params, buffers=buffers, deferred=deferred, chunked=chunked,
                 state={k: {n: v.clone() for n, v in s.items() if torch.is_tensor(v)}
                        for k, s in state.items()})
 
 
-def overlap_worker(rank, world_size, names):
+RESUMED = ("mlp_adam", "scheduler_onecycle")  # also trained with a checkpoint resumed at step 3
+
+
+def overlap_worker(rank, world_size, names, mode):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
@@ -173,96 +194,67 @@ def overlap_worker(rank, world_size, names):
         base, batch_fn, loss_fn = _build(case["model"])
         out[name] = dict(torch=_train(TorchDDP, base, batch_fn, loss_fn, case, rank),
                          ours=_train(DistributedDataParallel, base, batch_fn, loss_fn, case,
-                                     rank))
-        if name == "mlp_adam":
-            out["resumed"] = _train(DistributedDataParallel, base, batch_fn, loss_fn, case, rank,
-                                    resume_at=3)
-    out["reads"] = _reads(rank)
+                                     rank, mode=mode))
+        if name in RESUMED:
+            out[name]["resumed"] = _train(DistributedDataParallel, base, batch_fn, loss_fn,
+                                          case, rank, resume_at=3, mode=mode)
     return out
 
 
-def _reads(rank):
-    """After step(): parameters unchanged until read; state_dict(), a forward of model.module
-    and an evaluation forward all see the updated parameters."""
-    from pyreducer import DistributedDataParallel
-
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)),
-                                    bucket_cap_mb=0.0001)
-    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
-    x = torch.full((4, 8), 1.0 + rank)
-    model(x).sum().backward()  # the rebuild: one bucket per parameter from the next iteration
-    opt.step()
-    opt.zero_grad()
-    loss = model(x).sum()
-    before = [p.detach().clone() for p in model.parameters()]  # read before the backward
-    loss.backward()
-    opt.step()
-    # not updated yet: the reductions are in flight, the parameters wear the pending class
-    # (looking at the class reads nothing)
-    in_flight = len(model.reducer.pending_buckets())
-    pending = [type(p).__name__ for p in model.parameters()]
-    snapshot = {k: v.clone() for k, v in model.state_dict().items()}  # a read: updates
-    after = [type(p).__name__ for p in model.parameters()]
-    model(x).sum().backward()
-    opt.step()
-    with torch.no_grad():
-        direct = model.module(torch.ones(4, 8))  # a read through .module: the same everywhere
-    return dict(in_flight=in_flight, pending=pending, after=after, snapshot=snapshot,
-                before=before, direct=direct)
+PASSES = {"2ranks": (2, "auto"), "2ranks-chunks": (2, "chunks"), "3ranks": (3, "fifo")}
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"{ws}ranks")
+@pytest.fixture(scope="module", params=list(PASSES))
 def overlapped(request, ranks_once):
-    return request.param, ranks_once(overlap_worker, request.param, (tuple(CASES),))
+    world_size, mode = PASSES[request.param]
+    return world_size, mode, ranks_once(overlap_worker, world_size, (tuple(CASES), mode))
 
 
 def _same(a, b, exact: bool) -> bool:
     return torch.equal(a, b) if exact else (a.double() - b.double()).abs().max().item() <= 1e-6
 
 
+def _assert_same(ours, theirs, exact, what):
+    for kind in ("params", "buffers"):
+        for key, value in theirs[kind].items():
+            assert _same(ours[kind][key], value, exact), f"{what}: {kind} {key}"
+    for index, entries in theirs["state"].items():
+        for key, value in entries.items():
+            assert _same(ours["state"][index][key], value, exact), \
+                f"{what}: optimizer state {index}.{key}"
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_torch_ddp_bit_for_bit(overlapped, name):
-    world_size, results = overlapped
+    world_size, mode, results = overlapped
     # static_graph at 3 ranks differs from torch DDP by ~1e-8 without overlap too (its first
     # iteration reduces in parameter order; see test_parity): within 1e-6 there
     exact = not (world_size == 3 and CASES[name].get("ddp", {}).get("static_graph"))
     for rank, r in enumerate(results):
-        theirs, ours = r[name]["torch"], r[name]["ours"]
-        for kind in ("params", "buffers"):
-            for key, value in theirs[kind].items():
-                assert _same(ours[kind][key], value, exact), f"rank {rank}: {kind} {key}"
-        for index, entries in theirs["state"].items():
-            for key, value in entries.items():
-                assert _same(ours["state"][index][key], value, exact), \
-                    f"rank {rank}: optimizer state {index}.{key}"
+        _assert_same(r[name]["ours"], r[name]["torch"], exact, f"rank {rank}")
+    if mode == "chunks" and _schedule(CASES[name], mode)["schedule"] != "fifo" \
+            and not CASES[name].get("hook"):  # a hook sees whole buckets: never chunked
+        # the chunks were in force for the last backwards: from the fourth (planned at its
+        # forward), or the fifth where the buckets are rebuilt a step later (unused parameters,
+        # static graph)
+        assert results[0][name]["ours"]["chunked"] >= STEPS - 4, results[0][name]["ours"]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_updates_were_deferred(overlapped, name):
     """Every synced backward left reductions in flight for the next forward (the overlap)."""
-    _, results = overlapped
+    _, _, results = overlapped
     deferred = results[0][name]["ours"]["deferred"]
     assert deferred and all(n > 0 for n in deferred), deferred
 
 
-def test_resumed_checkpoint_ends_equal(overlapped):
-    _, results = overlapped
-    for r in results:
-        for key, value in r["mlp_adam"]["ours"]["params"].items():
-            assert torch.equal(r["resumed"]["params"][key], value), key
-
-
-def test_reads_outside_the_forward_see_every_update(overlapped):
-    _, results = overlapped
-    for r in results:
-        reads = r["reads"]
-        assert reads["in_flight"] == 2 and reads["pending"] == ["PendingParameter"] * 4
-        assert reads["after"] == ["Parameter"] * 4
-        assert not torch.equal(reads["snapshot"]["module.0.weight"], reads["before"][0])
-        assert torch.equal(reads["snapshot"]["module.0.weight"],
-                           results[0]["reads"]["snapshot"]["module.0.weight"])
-        assert torch.equal(reads["direct"], results[0]["reads"]["direct"])
+@pytest.mark.parametrize("name", RESUMED)
+def test_resumed_checkpoint_ends_equal(overlapped, name):
+    """Model, optimizer and LR scheduler state saved at step 3 and loaded into a new wrapper and
+    optimizer: the same parameters and optimizer state at the end as without the restart."""
+    _, _, results = overlapped
+    for rank, r in enumerate(results):
+        _assert_same(r[name]["resumed"], r[name]["ours"], True, f"rank {rank}, resumed")
 
 
 def launch_order_worker(rank, world_size):

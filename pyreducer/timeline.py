@@ -12,8 +12,11 @@
     finalize_end_ns    averaged gradients written into param.grad
     grads              [{"name", "ready_ns"}] per parameter, parameter order (0: no gradient)
     buckets            [{"index", "params", "size_bytes", "ready_ns", "launch_ns", "done_ns"}]
-                       in launch order: last gradient in, all-reduce issued, all-reduce
-                       completed (from the work's future, on the communication thread)
+                       by bucket index, which is torch DDP's launch order (an overlapped
+                       optimizer's schedule may launch them in another: sort by launch_ns):
+                       last gradient in, all-reduce issued (its first chunk), all-reduce
+                       completed (its last chunk; from the work's future, on the communication
+                       thread)
 
     clock              "host" or "device" (below)
     host               with clock "device": the same fields (grads, buckets, *_ns) on the host
@@ -36,9 +39,10 @@ autotune) then uses device times. That path is compiled, not run: no GPU has run
     exposed_comm_ms    max(0, last done - backward_end): communication left after compute
     overlap_fraction   hidden_comm_ms / comm_busy_ms (1.0: all communication hidden)
     wait_ms            wait_end - wait_start: the final wait (with earlier buckets' write-back)
-    last_bucket_bound_ms  the last bucket's own all-reduce time, done_last -
-                       max(launch_last, done of the bucket before): no schedule can expose less
-                       than this, since that bucket cannot start before its last gradient
+    last_bucket_bound_ms  the last launched bucket's own all-reduce time, done_last -
+                       max(launch_last, done of the bucket launched before it): no schedule can
+                       expose less than this, since that bucket cannot start before its last
+                       gradient
 
 With an overlapped optimizer (model.overlap_optimizer) a record also has "overlap": the span of
 the forward that followed its backward ("forward_start_ns", "forward_end_ns") and per bucket its
@@ -119,11 +123,13 @@ def iteration_stats(record: dict) -> dict:
     busy = _union_length(recorded)
     hidden = _union_length(_clip(recorded, start, end))
     last_done = max((done for _, done in recorded), default=end)
-    previous_done = buckets[-2]["done_ns"] if len(buckets) > 1 else 0
-    # The last bucket's own done, not last_done: completion callbacks run on communication
-    # threads and can stamp an earlier bucket a little after the last one.
-    last_service = buckets[-1]["done_ns"] - max(buckets[-1]["launch_ns"], previous_done) \
-        if spans[-1] in recorded else 0
+    # The last launched bucket's own done, not last_done: completion callbacks run on
+    # communication threads and can stamp an earlier bucket a little after the last one.
+    launched = sorted((launch, done) for launch, done in spans if launch)
+    last_service = 0
+    if launched and launched[-1] in recorded:
+        previous_done = launched[-2][1] if len(launched) > 1 else 0
+        last_service = launched[-1][1] - max(launched[-1][0], previous_done)
     extra = {}
     overlap = record.get("overlap")
     if overlap and overlap["forward_start_ns"] and overlap["forward_end_ns"]:

@@ -86,7 +86,7 @@ def exposed_vs_hidden(timelines: list[list[dict]], path) -> str:
     ax.bar(xs, hidden, color="tab:green", label="hidden (during backward)")
     ax.bar(xs, exposed, bottom=hidden, color="tab:red", label="exposed (after backward)")
     ax.set_xticks(list(xs))
-    ax.set_xlabel("bucket (launch order)")
+    ax.set_xlabel("bucket (index: torch DDP's launch order)")
     ax.set_ylabel("ms in flight per iteration (mean)")
     ax.set_title(f"rank 0, {len(records)} iterations")
     ax.legend()

@@ -139,7 +139,7 @@ def test_planned_schedule_is_installed_alike_and_keeps_results(ranks_once, world
             if world_size == 2:
                 assert torch.equal(ours, theirs)
             else:
-                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)  # rounding only
     assert order[0] == 0  # the last layers' bucket, full first, starts the backward
 
 

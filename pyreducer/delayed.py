@@ -13,6 +13,12 @@ buffer before it is reduced): pyreducer waits for it at the end of backward, so 
 always sees the averaged gradients. Like torch's, the hook also all-reduces under `no_sync()`.
 One collective per backward, issued from the hook; the wait is bounded by the process group's
 timeout.
+
+With check_finite=True (Note [Finite check] in csrc/reducer_finite.cpp) the reduced buffer is
+checked after the wait, as the Reducer checks its buckets: every rank holds the same sums, so
+every rank reaches the same verdict; only when it fails do the ranks exchange their local flags
+(taken before the reduction) to name the ranks the values came from, and backward raises on
+every rank naming the delayed parameters.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from torch.autograd import Variable
 class DelayedAllReduce:
     """The delayed parameters of one wrapper, their flat gradient buffer and the hook."""
 
-    def __init__(self, named_params, hook_param, process_group):
+    def __init__(self, named_params, hook_param, process_group, check_finite: bool = False):
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         dtypes = {p.dtype for p in self.params}
@@ -44,16 +50,19 @@ class DelayedAllReduce:
         for param in self.params:
             self.views.append(self.buffer[offset:offset + param.numel()].view(param.shape))
             offset += param.numel()
+        self.check_finite = check_finite
+        self._local_nonfinite = None  # check_finite: this rank's buffer before the reduction
         self._work = None
         self._handle = hook_param.register_hook(self._all_reduce)
 
     @staticmethod
-    def create(named_params, hook_param, process_group) -> "DelayedAllReduce | None":
+    def create(named_params, hook_param, process_group,
+               check_finite: bool = False) -> "DelayedAllReduce | None":
         """torch DDP's delayed all-reduce of `named_params`, their values broadcast from rank 0
         now (before the model check, as torch DDP), or None without named_params."""
         if named_params is None:
             return None
-        delayed = DelayedAllReduce(list(named_params), hook_param, process_group)
+        delayed = DelayedAllReduce(list(named_params), hook_param, process_group, check_finite)
         delayed.broadcast_from_rank0()
         return delayed
 
@@ -66,6 +75,7 @@ class DelayedAllReduce:
     def reset_grads(self) -> None:
         """After a forward: a parameter whose .grad is None gets its view of the buffer back (the
         whole buffer is zeroed if all were None; else the view alone), as torch DDP does."""
+        self._finish()  # a backward that raised before its end may have left it in flight
         all_none = all(p.grad is None for p in self.params)
         for param, view in zip(self.params, self.views):
             if param.grad is None:
@@ -76,15 +86,44 @@ class DelayedAllReduce:
             self.buffer.zero_()
 
     def _all_reduce(self, grad):
+        self._finish()
+        if self.check_finite:
+            self._local_nonfinite = torch.isfinite(self.buffer).all().logical_not()
         self.buffer.div_(dist.get_world_size(self.process_group))
         self._work = dist.all_reduce(self.buffer, group=self.process_group, async_op=True)
         Variable._execution_engine.queue_callback(self._wait)
         return grad
 
-    def _wait(self) -> None:
+    def _finish(self) -> bool:
+        """Waits for the all-reduce in flight; False if there was none."""
         work, self._work = self._work, None
-        if work is not None:
-            work.wait()
+        if work is None:
+            return False
+        work.wait()
+        return True
+
+    def _wait(self) -> None:
+        """End of backward: the all-reduce complete and, with check_finite, checked."""
+        if self._finish() and self.check_finite and not bool(torch.isfinite(self.buffer).all()):
+            raise RuntimeError(self._nonfinite_message())
+
+    def _nonfinite_message(self) -> str:
+        """The check_finite error (every rank builds it: the exchange of flags is collective)."""
+        group = self.process_group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        mine = self._local_nonfinite.to(torch.int64).reshape(1)
+        flags = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(flags, mine, group=group)
+        ranks = [str(r) for r, flag in enumerate(flags) if flag.item()]
+        names = [name + (" (NaN)" if torch.isnan(view).any() else " (Inf)")
+                 for name, view in zip(self.names, self.views) if not torch.isfinite(view).all()]
+        source = f"from rank(s) {', '.join(ranks)} (their own gradients were non-finite before " \
+            "the reduction)" if ranks else "every rank's own gradient was finite: the sum " \
+            f"overflowed in {self.buffer.dtype}"
+        return (f"pyreducer: check_finite: non-finite averaged gradients of the delayed "
+                f"all-reduce (delay_all_reduce_named_params) after backward (seen on rank {rank} "
+                f"of {world}; every rank raises this): parameter(s) {', '.join(names)}: {source};"
+                " the gradients are written back, but no optimizer should step on them.")
 
     def remove(self) -> None:
         self._handle.remove()

@@ -60,7 +60,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradients), cast back afterwards; averaged after the sum, as with a predivide factor
             of 1. Neither can be combined with a communication hook or mixed_precision.
         check_finite: a NaN or Inf in an averaged gradient makes backward raise on every rank,
-            naming the parameters and the ranks it came from (csrc/reducer_finite.cpp).
+            naming the parameters and the ranks it came from (csrc/reducer_finite.cpp; the
+            delayed all-reduce's parameters: pyreducer/delayed.py).
 
     bucket_cap_mb="auto" (or a pyreducer.tuning.AutotuneConfig) turns on online autotune
     (pyreducer/tuning/autotune.py).
@@ -104,7 +105,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         arguments.warn_check_reduction(check_reduction)
         arguments.check_module(module, named, (DistributedDataParallel,))
         self._delayed = DelayedAllReduce.create(delay_all_reduce_named_params,
-                                                param_to_hook_all_reduce, self.process_group)
+                                                param_to_hook_all_reduce, self.process_group,
+                                                check_finite=bool(check_finite))
         # torch DDP: with every reduced parameter delayed there is no Reducer at all.
         self._delay_all_reduce_all_params = not any(p.requires_grad for _, p in named)
         if self._delay_all_reduce_all_params:

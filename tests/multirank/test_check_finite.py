@@ -15,14 +15,18 @@ def _model(dtype=torch.float32):
                          nn.Linear(16, 4)).to(dtype)
 
 
-def poison_worker(rank, world_size, poison, views=False):
+def poison_worker(rank, world_size, poison, views=False, delayed=False):
     """poison: {rank: (parameter name, value)}: that rank's gradient of that parameter gets
     value in one element at step 2. Returns each step's error (or None) and the parameters.
-    views: gradient_as_bucket_view (the local check then runs before each launch)."""
+    views: gradient_as_bucket_view (the local check then runs before each launch). delayed: the
+    last layer's all-reduce delayed (delay_all_reduce_named_params, hooked on the first's)."""
     from pyreducer import DistributedDataParallel
 
-    model = DistributedDataParallel(_model(), bucket_cap_mb=0.0005, check_finite=True,
-                                    gradient_as_bucket_view=views)
+    module = _model()
+    extra = dict(delay_all_reduce_named_params=list(module[4].named_parameters(prefix="4")),
+                 param_to_hook_all_reduce=module[0].weight) if delayed else {}
+    model = DistributedDataParallel(module, bucket_cap_mb=0.0005, check_finite=True,
+                                    gradient_as_bucket_view=views, **extra)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     params = dict(model.module.named_parameters())
     if rank in poison:
@@ -69,6 +73,23 @@ def test_non_finite_gradient_raises_on_every_rank_naming_parameter_and_rank(pois
             assert f"parameter(s) {name} in bucket" in error, error
         assert f"from {ranks}" in error, error
         assert error.count("parameter(s)") == 1, error  # only the poisoned parameter's bucket
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+
+
+@pytest.mark.parametrize("poison, names, ranks", [
+    ({1: ("4.bias", float("nan"))}, "4.bias (NaN)", "from rank(s) 1 "),
+    ({0: ("4.weight", float("inf"))}, "4.weight (Inf)", "from rank(s) 0 ")])
+def test_non_finite_delayed_gradient_raises_on_every_rank(poison, names, ranks):
+    """The delayed all-reduce's parameters are checked too (they are not in the Reducer's
+    buckets): named, with the rank, on every rank; training goes on after it."""
+    results = run_ranks(poison_worker, 2, (poison, False, True), timeout_s=120)
+    for rank, result in enumerate(results):
+        first, error, third = result["errors"]
+        assert first is None and third is None, result["errors"]
+        assert error.startswith("pyreducer: check_finite: non-finite averaged gradients of the "
+                                "delayed all-reduce"), error
+        assert f"seen on rank {rank} of 2" in error and f"parameter(s) {names}: " in error, error
+        assert ranks in error, error
     assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import pyreducer
+from pyreducer.testing import subprocess_env
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))), "README.md")
@@ -29,8 +29,7 @@ def test_the_readme_has_the_five_snippets():
 def test_snippet_runs_and_ranks_agree(name, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(snippets()[name])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path), OMP_NUM_THREADS="1")
+    env = subprocess_env(OMP_NUM_THREADS="1")
     env.pop("PYREDUCER_TRACE", None)
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -2,13 +2,12 @@
 under torchrun (no pyreducer code in the script beyond the import), then `report`; the demo,
 whose step profile `simulate` must accept."""
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-import pyreducer
+from pyreducer.testing import subprocess_env
 
 SCRIPT = """
 import torch
@@ -37,8 +36,7 @@ STEPS = 6
 
 def _env(**extra):
     """The environment of a user's shell, with the pyreducer this test imported on the path."""
-    path = os.pathsep.join([os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path)
-    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)
+    return subprocess_env(OMP_NUM_THREADS="1", **extra)
 
 
 def _run(args, cwd, timeout_s=240, **env):

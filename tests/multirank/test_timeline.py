@@ -2,14 +2,13 @@
 raw events (recomputed independently by sampling), torch.profiler ranges, and the trace command's
 files (Chrome trace JSON with every rank and bucket, non-empty PNGs)."""
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-import pyreducer
+from pyreducer.testing import subprocess_env
 
 KEEP = 4
 
@@ -95,8 +94,7 @@ def test_profiler_shows_every_bucket(runs):
 def test_trace_command_writes_trace_plots_and_summary(tmp_path):
     out = tmp_path / "run"
     # The same pyreducer this test imported (the in-tree build, or make cuda-check's).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path))
+    env = subprocess_env()
     result = subprocess.run(
         [sys.executable, "-m", "pyreducer", "trace", "--model", "mlp", "--nproc", "2",
          "--bucket-cap-mb", "0.2", "--steps", "5", "--keep", "3", "--out", str(out)],

@@ -7,13 +7,12 @@ themselves, with torch's reason. Every test that runs on the CPU must pass, and 
 run here must have run (a test that started skipping would otherwise go unnoticed).
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-import pyreducer
+from pyreducer.testing import subprocess_env
 
 # The DDP tests of torch 2.13's module that run on CPU with Gloo (the others need GPUs).
 RUN_ON_CPU = ["test_DistributedDataParallelCPU", "test_DistributedDataParallelCPU_grad_is_view",
@@ -30,8 +29,7 @@ TORCH_SKIPS = ("CUDA", "github.com/pytorch/pytorch", "flakiness")
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"{ws}ranks")
 def suite(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_suite") / "outcomes.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path))
+    env = subprocess_env()
     env.pop("PYREDUCER_TRACE", None)
     result = subprocess.run(
         [sys.executable, "-m", "pyreducer.testing.torch_suite", "--world-size",

@@ -2,13 +2,12 @@
 and a file or folder a command cannot use gets one line saying which command produces it, not a
 traceback."""
 import argparse
-import os
 import subprocess
 import sys
 
 import pytest
 
-import pyreducer
+from pyreducer.testing import subprocess_env
 from pyreducer.tools.cli import build_parser, main
 
 
@@ -41,8 +40,7 @@ def test_units_are_named():
 
 
 def _cli(args, cwd):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path))
+    env = subprocess_env()
     return subprocess.run([sys.executable, "-m", "pyreducer"] + args, capture_output=True,
                           text=True, timeout=120, cwd=str(cwd), env=env)
 

@@ -2,14 +2,13 @@
 against brute force over all partitions, the simulator command, and autotune's decision rules
 (the autotune runs are in tests/multirank/test_autotune.py)."""
 import json
-import os
 import random
 import subprocess
 import sys
 
 import pytest
 
-import pyreducer
+from pyreducer.testing import subprocess_env
 from pyreducer.tuning import (LinkModel, Profile, best_plan, brute_force_plan, fit_link_model,
                               predict_step_ms)
 from pyreducer.tuning.autotune import AutotuneConfig, close_call, enough_samples, final_choice
@@ -99,8 +98,7 @@ def test_simulate_command(tmp_path):
                    backward_ms=41.0, forward_ms=20.0, optimizer_ms=2.0,
                    names=[f"p{i}" for i in range(40)], group_keys=["Float/cpu"] * 40)
     (tmp_path / "profile.json").write_text(json.dumps(profile))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # the pyreducer this test imported
-        [os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path))
+    env = subprocess_env()  # the pyreducer this test imported
     result = subprocess.run([sys.executable, "-m", "pyreducer", "simulate", "--profile",
                              str(tmp_path), "--ranks", "2,8,64", "--link", "1gbit,100gbit"],
                             capture_output=True, text=True, timeout=120, cwd=str(tmp_path),

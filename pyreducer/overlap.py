@@ -168,6 +168,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"overlap_optimizer expects a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
+        scripted = [name or "(root)" for name, m in module.named_modules()
+                    if isinstance(m, torch.jit.ScriptModule)]
+        if scripted:
+            raise ValueError(f"overlap_optimizer: the wrapped module holds TorchScript modules "
+                             f"({', '.join(scripted[:4])}): their forward reads parameters in "
+                             "C++, where a pending update cannot be caught before the read. Wrap "
+                             "the eager module (torch.compile works), or step the optimizer "
+                             "itself (torch DDP's step)")
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("overlap_optimizer: LBFGS needs a closure that re-evaluates the "
                              "whole model, which cannot be split into per-bucket updates")

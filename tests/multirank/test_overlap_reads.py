@@ -146,3 +146,41 @@ def pickle_worker(rank, world_size):
 def test_overlapped_wrapper_refuses_pickling_by_name(ranks_once):
     for message in ranks_once(pickle_worker, 2, ()):
         assert message and "overlapped optimizer cannot be pickled" in message, message
+
+
+def compiled_worker(rank, world_size):
+    """A forward compiled by torch.compile (aot_eager: no C++ compiler needed) reads the
+    parameters through dynamo's graph: every forward's output equals the one with torch DDP's
+    step. A TorchScript module, whose forward reads them in C++, is refused by name."""
+    from pyreducer import DistributedDataParallel
+
+    outputs = {}
+    for overlapped in (True, False):
+        torch.manual_seed(0)
+        module = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)),
+                               backend="aot_eager")
+        model = DistributedDataParallel(module, bucket_cap_mb=0.0001)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        if overlapped:
+            opt = model.overlap_optimizer(opt, schedule="fifo")
+        gen = torch.Generator().manual_seed(rank)
+        outputs[overlapped] = []
+        for _ in range(4):
+            out = model(torch.randn(4, 8, generator=gen))
+            outputs[overlapped].append(out.detach().clone())
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+    scripted = DistributedDataParallel(torch.jit.script(nn.Sequential(nn.Linear(8, 2))))
+    try:
+        scripted.overlap_optimizer(torch.optim.SGD(scripted.parameters(), lr=0.1))
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return dict(outputs=outputs, refused=refused)
+
+
+def test_compiled_forward_sees_every_update_and_torchscript_is_refused(ranks_once):
+    for rank, r in enumerate(ranks_once(compiled_worker, 2, ())):
+        assert _equal(r["outputs"][True], r["outputs"][False]), f"rank {rank}"
+        assert r["refused"] and "holds TorchScript modules ((root), 0)" in r["refused"], r["refused"]

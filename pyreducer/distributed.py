@@ -218,7 +218,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = arguments.default_group()
         super().__setstate__(state)
         self._params = self._collect_params()
-        self._failures = failures.LostRanks(self.process_group)
+        self._failures = failures.LostRanks(self.process_group, copy=True)
         self._build_engine()
         self._recorder = None
 

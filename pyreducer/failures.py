@@ -3,8 +3,11 @@
 A collective fails when a peer died, froze or diverged; Gloo's error names a peer's address, not
 its rank, and says nothing of what the wrapper was doing. So every rank that sees a failure
 reports it in the process group's store (key pyreducer/failed/<wrapper>/<n>/<rank>: the n-th
-failure of that wrapper in this process) and waits up to REPORT_WINDOW_S for the other ranks'
-reports. The error then names the phase (construction, forward of iteration i, backward of
+failure of that wrapper) and waits up to REPORT_WINDOW_S for the other ranks' reports. The ranks
+must name a wrapper alike: <wrapper> counts the wrappers constructed on that process group (a
+collective construction: the same sequence on every member), and copies (unpickled or
+deep-copied wrappers, made without the other ranks) count apart ("copy<k>"), so that a copy made
+on one rank, or a wrapper on a subgroup, does not shift the names of the wrappers built after it. The error then names the phase (construction, forward of iteration i, backward of
 iteration i) and the ranks that did not report: dead, frozen (SIGSTOP), or still blocked in a
 collective that has not failed for them yet. The window adds at most REPORT_WINDOW_S to the
 process group's timeout. The store outlives a dead worker where it is hosted elsewhere
@@ -22,7 +25,14 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 REPORT_WINDOW_S = 3.0
-_wrappers = itertools.count()  # the same creation order on every rank
+# per process group name (and "copy" of it): wrappers made so far (see the module doc)
+_wrappers: dict[tuple[str, bool], itertools.count] = {}
+
+
+def _wrapper_id(group, copy: bool) -> str:
+    name = (group or dist.group.WORLD).group_name
+    number = next(_wrappers.setdefault((name, copy), itertools.count()))
+    return f"copy{number}" if copy else str(number)
 
 
 def is_collective_failure(error: BaseException) -> bool:
@@ -39,10 +49,11 @@ def _store(group):
 class LostRanks:
     """One wrapper's failure reports (see the module docstring)."""
 
-    def __init__(self, group):
+    def __init__(self, group, copy: bool = False):
+        """copy: the wrapper was made without the other ranks (unpickled, deep-copied)."""
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.wrapper = next(_wrappers)
+        self.wrapper = _wrapper_id(group, copy)
         self.failures = 0
 
     def describe(self, phase: str) -> str:

@@ -147,3 +147,31 @@ def test_an_uncaught_failure_exits_with_its_traceback(tmp_path):
     assert procs[0].returncode == 1, (procs[0].returncode, err[-3000:])
     assert "not reached" not in out
     assert "phase: backward of iteration 3; lost rank(s) 1 of 2" in err, err[-3000:]
+
+
+def report_names_worker(rank, world_size):
+    """Failure reports are keyed by the wrapper's name: a copy made on rank 0 alone and a
+    wrapper on a subgroup of ranks 0 and 1 must not change the name of the next world wrapper
+    on some ranks only (the ranks would then look for each other's reports under other keys,
+    and name live ranks lost)."""
+    import copy
+
+    from pyreducer import DistributedDataParallel
+
+    first = DistributedDataParallel(nn.Linear(4, 2))
+    names = dict(first=first._failures.wrapper)
+    if rank == 0:
+        names["copy"] = copy.deepcopy(first)._failures.wrapper  # not collective
+    subgroup = dist.new_group([0, 1])  # every rank creates it
+    if rank in (0, 1):
+        names["subgroup"] = DistributedDataParallel(nn.Linear(4, 2),
+                                                    process_group=subgroup)._failures.wrapper
+    names["next"] = DistributedDataParallel(nn.Linear(4, 2))._failures.wrapper
+    return names
+
+
+def test_report_names_agree_across_ranks_after_copies_and_subgroups():
+    names = run_ranks(report_names_worker, 3, (), timeout_s=120)
+    assert names[0]["copy"].startswith("copy")
+    assert names[0]["subgroup"] == names[1]["subgroup"]
+    assert len({n["next"] for n in names}) == 1 and len({n["first"] for n in names}) == 1, names

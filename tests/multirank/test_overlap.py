@@ -96,6 +96,10 @@ CASES = {
     # reductions, so this is correct, without overlap of the update
     "clip_by_user": dict(model="mlp", opt="sgd", user_clip=0.05, ddp=dict(bucket_cap_mb=0.3)),
     "no_sync_2": dict(model="mlp", opt="sgd", micro=2, ddp=dict(bucket_cap_mb=0.3)),
+    # accumulation without no_sync: every micro-batch's backward is all-reduced, and the next
+    # micro-batch's forward completes the previous one's reductions before step()
+    "synced_micro_2": dict(model="mlp", opt="adam", micro=2, synced_micro=True,
+                           ddp=dict(bucket_cap_mb=0.1)),
     "bucket_view_zero_fill": dict(model="cnn", opt="sgd", set_to_none=False,
                                   ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=0.01)),
     "static_graph": dict(model="checkpointed", opt="sgd",
@@ -155,7 +159,7 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
                 scheduler.load_state_dict(saved["sched"])
         for micro in range(case.get("micro", 1)):
             batch = batch_fn(gen, 8)
-            if micro < case.get("micro", 1) - 1:
+            if micro < case.get("micro", 1) - 1 and not case.get("synced_micro"):
                 with model.no_sync():
                     loss_fn(model, batch, step).backward()
                 continue

@@ -237,11 +237,13 @@ class OverlapOptimizer(torch.optim.Optimizer):
                              "split into buckets run during the next forward)")
         if self.stepped:  # a previous step's updates, if no forward ran since
             self._update_all()
+        self._step_hooks(self.optimizer._optimizer_step_pre_hooks)
         if not self.pending:  # nothing in flight: a plain step
             if self.max_grad_norm is not None:
                 self._clip()
-            self.optimizer.step()
+            self._math_step()
             self.early = []
+            self._step_done()
             return None
         self.clip_due = self.max_grad_norm is not None
         if self.early:  # stepped now; clipping first needs every gradient, reduced
@@ -253,7 +255,20 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.hyper = [{k: v for k, v in g.items() if k != "params"}
                       for g in self.optimizer.param_groups]
         self.stepped = True
+        self._step_done()
         return None
+
+    def _step_done(self) -> None:
+        self._step_hooks(self.optimizer._optimizer_step_post_hooks)
+        self.optimizer._opt_called = True  # what an LR scheduler built on it checks
+
+    def _step_hooks(self, hooks) -> None:
+        """The wrapped optimizer's own step hooks (its register_step_pre_hook/_post_hook), run
+        once per step(), as torch runs them, with its whole param_groups: the per-bucket
+        updates run its math alone (_step_subset). Pre-hooks cannot change step()'s arguments
+        here (it has none but the refused closure)."""
+        for hook in list(hooks.values()):
+            hook(self.optimizer, (self.optimizer,), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Parameters still pending have their gradients zeroed right after their update."""
@@ -382,11 +397,18 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 if hyper is not None:
                     g.update(hyper[index])
                 g["params"] = [p for p in g["params"] if id(p) in members]
-            self.optimizer.step()
+            self._math_step()
         finally:
             for g, old in zip(groups, saved):
                 g.clear()
                 g.update(old)
+
+    def _math_step(self) -> None:
+        """The wrapped optimizer's step on its param_groups as they are: its class's step
+        without torch's hook wrapper (its hooks run once per step(): _step_hooks) and without
+        an LR scheduler's counting wrapper on the instance."""
+        step = type(self.optimizer).step
+        getattr(step, "__wrapped__", step)(self.optimizer)
 
     def _clip(self) -> None:
         """clip_grad_norm_ over the optimizer's parameters, once every bucket is reduced (the

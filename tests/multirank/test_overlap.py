@@ -411,3 +411,50 @@ def test_timeline_shows_the_next_forward_and_each_update(ranks_once):
         assert list(by_module.values()) == sorted(by_module.values(), reverse=True)
         # a weight read by its parent (F.linear) is charged to the parent, not to its module
         assert r["tied"]["inner.weight"] == ["(root)"] and r["tied"]["out.weight"] == ["out"]
+
+
+def hooks_worker(rank, world_size):
+    """Step hooks (the wrapped optimizer's, the overlapped one's, torch's global ones) run once
+    per step() as with torch's optimizer, not once per bucket update; an LR scheduler built on
+    the wrapped optimizer gives torch DDP's results, without torch's warning that it stepped
+    before the optimizer (whose updates come later)."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    out = {}
+    for name in ("torch", "ours"):
+        cls = TorchDDP if name == "torch" else DistributedDataParallel
+        model = cls(copy.deepcopy(base), bucket_cap_mb=0.0001)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+        calls = []
+        inner.register_step_pre_hook(lambda *args: calls.append("inner pre"))
+        inner.register_step_post_hook(lambda *args: calls.append("inner post"))
+        scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+        opt = model.overlap_optimizer(inner, schedule="fifo") if name == "ours" else inner
+        handle = register_optimizer_step_post_hook(lambda *args: calls.append("global post"))
+        gen = torch.Generator().manual_seed(rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                model(torch.randn(4, 8, generator=gen)).sum().backward()
+                opt.step()
+                scheduler.step()
+                opt.zero_grad()
+        handle.remove()
+        out[name] = dict(calls=calls, warnings=[str(w.message) for w in caught],
+                         params=[p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_step_hooks_run_once_per_step_and_a_scheduler_on_the_wrapped_optimizer_works(ranks_once):
+    for r in ranks_once(hooks_worker, 2, ()):
+        assert r["ours"]["calls"] == r["torch"]["calls"] == \
+            ["inner pre", "inner post", "global post"] * 4, r["ours"]["calls"]
+        assert not [w for w in r["ours"]["warnings"] if "lr_scheduler" in w], r["ours"]["warnings"]
+        assert all(torch.equal(a, b) for a, b in zip(r["ours"]["params"], r["torch"]["params"]))

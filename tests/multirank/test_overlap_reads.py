@@ -3,8 +3,9 @@ updates are pending, and each way of reading parameters, gradients or optimizer 
 them done. Each read is checked on its own, right after step(), against the same loop and read
 with torch DDP's step (pyreducer without the overlapped optimizer: every update done at step()),
 bit for bit, at 2 and 3 ranks (schedule="fifo": torch DDP's sums); then one more step must end
-equal too. Also that the read itself completed what it should (no pending class left), and that
-an overlapped wrapper refuses to be pickled by name."""
+equal too. Also that the read itself completed what it should (no pending class left); a
+GradScaler, which reads every gradient between backward and step(); a forward compiled by
+torch.compile; and the refusals (pickling the wrapper, a TorchScript module)."""
 import copy
 import io
 import pickle
@@ -184,3 +185,42 @@ def test_compiled_forward_sees_every_update_and_torchscript_is_refused(ranks_onc
     for rank, r in enumerate(ranks_once(compiled_worker, 2, ())):
         assert _equal(r["outputs"][True], r["outputs"][False]), f"rank {rank}"
         assert r["refused"] and "holds TorchScript modules ((root), 0)" in r["refused"], r["refused"]
+
+
+def scaler_worker(rank, world_size):
+    """torch.amp.GradScaler reads every gradient between backward and step() (unscale_): the
+    reads wait for the all-reduces. A step whose gradients are not finite (an Inf input on rank
+    1 at step 2) is skipped and the scale halved, as with torch DDP; parameters bit for bit."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    out = {}
+    for name in ("torch", "ours"):
+        cls = TorchDDP if name == "torch" else DistributedDataParallel
+        model = cls(copy.deepcopy(base), bucket_cap_mb=0.0001)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, foreach=False)
+        if name == "ours":
+            opt = model.overlap_optimizer(opt, schedule="fifo")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        gen = torch.Generator().manual_seed(rank)
+        scales = []
+        for step in range(6):
+            x = torch.randn(4, 8, generator=gen)
+            if step == 2 and rank == 1:
+                x[0, 0] = float("inf")
+            scaler.scale(model(x).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scales.append(scaler.get_scale())
+        out[name] = dict(scales=scales, params=[p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_grad_scaler_skips_the_non_finite_step_as_with_torch_ddp(ranks_once):
+    for r in ranks_once(scaler_worker, 2, ()):
+        assert r["ours"]["scales"] == r["torch"]["scales"] and r["ours"]["scales"][2] == 512.0
+        assert _equal(r["ours"]["params"], r["torch"]["params"])

@@ -60,6 +60,12 @@ def _optimizer(kind, params):
         return torch.optim.Adam(params, lr=1e-2)
     if kind == "adamw_default":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if kind == "adamw_groups":  # weight decay on matrices only, another lr for the rest
+        params = list(params)
+        return torch.optim.AdamW([dict(params=[p for p in params if p.dim() > 1]),
+                                  dict(params=[p for p in params if p.dim() <= 1], lr=3e-3,
+                                       weight_decay=0.0)], lr=1e-2, weight_decay=0.1,
+                                 foreach=False)
     if kind == "sgd_default":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
     raise ValueError(kind)
@@ -80,6 +86,8 @@ CASES = {
                                      ddp=dict(bucket_cap_mb=0.3)),
     "mlp_adamw_default_foreach": dict(model="mlp", opt="adamw_default",
                                       ddp=dict(bucket_cap_mb=0.1)),
+    "mlp_param_groups": dict(model="mlp", opt="adamw_groups", scheduler="cosine",
+                             ddp=dict(bucket_cap_mb=0.1)),
     "cnn_sgd_default_foreach": dict(model="cnn", opt="sgd_default", ddp=dict(bucket_cap_mb=0.01)),
     "mlp_adamw": dict(model="mlp", opt="adamw", ddp=dict(bucket_cap_mb=0.1)),
     "cnn_sgd": dict(model="cnn", opt="sgd", ddp=dict(bucket_cap_mb=0.01)),

@@ -7,9 +7,10 @@ failure of that wrapper) and waits up to REPORT_WINDOW_S for the other ranks' re
 must name a wrapper alike: <wrapper> counts the wrappers constructed on that process group (a
 collective construction: the same sequence on every member), and copies (unpickled or
 deep-copied wrappers, made without the other ranks) count apart ("copy<k>"), so that a copy made
-on one rank, or a wrapper on a subgroup, does not shift the names of the wrappers built after it. The error then names the phase (construction, forward of iteration i, backward of
-iteration i) and the ranks that did not report: dead, frozen (SIGSTOP), or still blocked in a
-collective that has not failed for them yet. The window adds at most REPORT_WINDOW_S to the
+on one rank, or a wrapper on a subgroup, does not shift the names of the wrappers built after
+it. The error then names the phase (construction, forward of iteration i, backward of iteration
+i) and the ranks that did not report: dead, frozen (SIGSTOP), or still blocked in a collective
+that has not failed for them yet. The window adds at most REPORT_WINDOW_S to the
 process group's timeout. The store outlives a dead worker where it is hosted elsewhere
 (torchrun's agent, a FileStore); where it is not reachable, the error says so instead.
 

@@ -6,7 +6,8 @@ of the model runs forward and backward on inputs cast to param_dtype; its gradie
 reduce_dtype, flattened in the wrapper's buckets, all-reduced (SUM) and divided by the world
 size, then written into the full-precision parameters' .grad; SGD steps the full-precision
 parameters, and the low-precision copy takes their values again. Gradients and parameters must
-match the wrapper bit for bit on every rank, at 2 and 3 ranks.
+match the wrapper bit for bit on every rank, at 2 and 3 ranks; with the overlapped optimizer
+too (updates deferred to the next forward, whose low-precision copies are cast from them).
 """
 import copy
 
@@ -47,7 +48,8 @@ def _batch(gen):
     return torch.randn(6, 8, generator=gen), torch.randn(6, 16, generator=gen)
 
 
-def _ours(base, config, rank):
+def _ours(base, config, rank, overlapped=False):
+    """overlapped: with the overlapped optimizer (torch DDP's order, whole buckets)."""
     from torch.nn.parallel.distributed import _MixedPrecision
 
     from pyreducer import DistributedDataParallel
@@ -56,6 +58,8 @@ def _ours(base, config, rank):
     model = DistributedDataParallel(copy.deepcopy(base), mixed_precision=_MixedPrecision(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype))
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    if overlapped:
+        opt = model.overlap_optimizer(opt, schedule="fifo")
     gen = torch.Generator().manual_seed(rank)
     plans, grads = [], []
     for _ in range(STEPS):
@@ -117,7 +121,8 @@ def mixed_precision_worker(rank, world_size):
         torch.manual_seed(100 + rank)  # ranks start different: rank 0's state must win
         base = Probe()
         ours = _ours(base, config, rank)
-        out[name] = dict(ours=ours, reference=_reference(base, config, rank, ours["plans"]))
+        out[name] = dict(ours=ours, reference=_reference(base, config, rank, ours["plans"]),
+                         overlapped=_ours(base, config, rank, overlapped=True))
     return out
 
 
@@ -159,3 +164,18 @@ def test_ranks_agree_and_training_moved(mixed):
                 assert torch.equal(value, first[key]), f"{name} rank {rank}: {key}"
         grads = results[0][name]["ours"]["grads"][-1]
         assert all(g.abs().sum() > 0 for g in grads.values()), name
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_overlapped_optimizer_matches_the_reference_bit_for_bit(mixed, name):
+    """The updates deferred to the next forward: the forward's low-precision copies are cast
+    from the updated parameters (the cast reads them), gradients and parameters as the
+    reference's."""
+    _, results = mixed
+    for rank, r in enumerate(results):
+        ours, ref = r[name]["overlapped"], r[name]["reference"]
+        for step, (got, want) in enumerate(zip(ours["grads"], ref["grads"])):
+            for key, value in want.items():
+                assert torch.equal(got[key], value), f"rank {rank} step {step}: grad {key}"
+        for key, value in ref["params"].items():
+            assert torch.equal(ours["params"][key], value), f"rank {rank}: param {key}"

@@ -53,7 +53,9 @@ it; pyreducer/overlap.py); then also:
                        compute: its span minus its waits for all-reduces (communication during a
                        wait is not hidden, the forward is stalled on it)
     exposed_comm_ms    communication under neither backward nor the next forward's compute
-    forward_wait_ms    time the next forward waited for all-reduces (sum of reduced - read)
+    forward_wait_ms    time the next forward waited for all-reduces (sum of reduced - read;
+                       a read outside any forward, e.g. state_dict() between step() and the
+                       forward, counts too, under OUTSIDE in the per-module split)
     forward_wait_by_module_ms  the same per module that read the parameters ({name: ms})
     update_ms          time spent in the per-bucket optimizer updates (sum of updated - reduced)
 """

@@ -86,7 +86,6 @@ class DelayedAllReduce:
             self.buffer.zero_()
 
     def _all_reduce(self, grad):
-        self._finish()
         if self.check_finite:
             self._local_nonfinite = torch.isfinite(self.buffer).all().logical_not()
         self.buffer.div_(dist.get_world_size(self.process_group))

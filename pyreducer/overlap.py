@@ -20,8 +20,8 @@ its own class (its __class__ is swapped; isinstance checks still hold) whose __t
 updates the parameter's bucket, restores the class and only then runs the operation. Any torch
 operation on it, anywhere (its module's forward, a parent reading a tied or child weight,
 F.linear(x, m.weight), .data, .grad, detach(), state_dict(), torch.save, printing, a tensor
-passed inside a dict to handle_torch_function) therefore sees the updated value; pickling and
-copy.deepcopy update first too, and a copy of the module gets hooks that do nothing (the copy is
+passed inside a dict to handle_torch_function, pickling) therefore sees the updated value;
+copy.deepcopy updates first too, and a copy of the module gets hooks that do nothing (the copy is
 not overlapped; tests/multirank/test_overlap_reads.py checks each read against torch DDP's
 step). A forward pre-hook on every submodule starts the updates of its own
 parameters a little earlier. The wrapper's forward completes whatever the forward did not read
@@ -50,7 +50,6 @@ def _pending_class(cls: type) -> type:
     if cls not in _PENDING_CLASSES:
         _PENDING_CLASSES[cls] = type(f"Pending{cls.__name__}", (cls,),
                                      {"__torch_function__": classmethod(_pending_torch_function),
-                                      "__reduce_ex__": _pending_reduce_ex,
                                       "__deepcopy__": _pending_deepcopy,
                                       "_pyreducer_pending": True,
                                       "__module__": __name__})
@@ -76,25 +75,16 @@ def _tensors_in(args, kwargs):
             yield value
 
 
-def _settled(param: torch.Tensor) -> type:
-    """Updates `param` if it is pending (as a read would), and returns the class whose methods
-    copy it: its own again, or (inside an update, where reads pass through) the one it had."""
-    overlap = getattr(param, "_pyreducer_overlap", None)
-    if overlap is not None:
-        overlap.update_parameter(param)
-    cls = type(param)
-    return cls.__mro__[1] if cls.__dict__.get("_pyreducer_pending") else cls
-
-
-def _pending_reduce_ex(self, proto):
-    """Pickling (torch.save of a module, of a parameter) reads the updated value, and never
-    the optimizer the pending parameter points to."""
-    return _settled(self).__reduce_ex__(self, proto)
-
-
 def _pending_deepcopy(self, memo):
-    """copy.deepcopy: the updated value, in a parameter of the class it had."""
-    return _settled(self).__deepcopy__(self, memo)
+    """copy.deepcopy: the updated value, in a parameter of the class it had (Parameter's own
+    __deepcopy__ takes type(self) before the read of self.data that updates it). Inside an
+    update, where reads pass through, the parameter is still pending: copied as it is."""
+    overlap = getattr(self, "_pyreducer_overlap", None)
+    if overlap is not None:
+        overlap.update_parameter(self)
+    cls = type(self)
+    return (cls.__mro__[1] if cls.__dict__.get("_pyreducer_pending") else cls).__deepcopy__(
+        self, memo)
 
 
 class _ModuleHook:

@@ -5,7 +5,8 @@ with torch DDP's step (pyreducer without the overlapped optimizer: every update 
 bit for bit, at 2 and 3 ranks (schedule="fifo": torch DDP's sums); then one more step must end
 equal too. Also that the read itself completed what it should (no pending class left); a
 GradScaler, which reads every gradient between backward and step(); a forward compiled by
-torch.compile; and the refusals (pickling the wrapper, a TorchScript module)."""
+torch.compile; the optimizer's step hooks and an LR scheduler on the wrapped optimizer; and the
+refusals (pickling the wrapper, a TorchScript module)."""
 import copy
 import io
 import pickle
@@ -187,20 +188,25 @@ def test_compiled_forward_sees_every_update_and_torchscript_is_refused(ranks_onc
         assert r["refused"] and "holds TorchScript modules ((root), 0)" in r["refused"], r["refused"]
 
 
-def scaler_worker(rank, world_size):
-    """torch.amp.GradScaler reads every gradient between backward and step() (unscale_): the
-    reads wait for the all-reduces. A step whose gradients are not finite (an Inf input on rank
-    1 at step 2) is skipped and the scale halved, as with torch DDP; parameters bit for bit."""
+def _torch_ddp_and_ours():
+    """("torch", torch DDP) and ("ours", pyreducer) over the same small model, a bucket per
+    parameter, for the comparisons below."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
 
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    for name, cls in (("torch", TorchDDP), ("ours", DistributedDataParallel)):
+        yield name, cls(copy.deepcopy(base), bucket_cap_mb=0.0001)
+
+
+def scaler_worker(rank, world_size):
+    """torch.amp.GradScaler reads every gradient between backward and step() (unscale_): the
+    reads wait for the all-reduces. A step whose gradients are not finite (an Inf input on rank
+    1 at step 2) is skipped and the scale halved, as with torch DDP; parameters bit for bit."""
     out = {}
-    for name in ("torch", "ours"):
-        cls = TorchDDP if name == "torch" else DistributedDataParallel
-        model = cls(copy.deepcopy(base), bucket_cap_mb=0.0001)
+    for name, model in _torch_ddp_and_ours():
         opt = torch.optim.Adam(model.parameters(), lr=0.01, foreach=False)
         if name == "ours":
             opt = model.overlap_optimizer(opt, schedule="fifo")
@@ -224,3 +230,43 @@ def test_grad_scaler_skips_the_non_finite_step_as_with_torch_ddp(ranks_once):
     for r in ranks_once(scaler_worker, 2, ()):
         assert r["ours"]["scales"] == r["torch"]["scales"] and r["ours"]["scales"][2] == 512.0
         assert _equal(r["ours"]["params"], r["torch"]["params"])
+
+
+def hooks_worker(rank, world_size):
+    """Step hooks (the wrapped optimizer's, the overlapped one's, torch's global ones) run once
+    per step() as with torch's optimizer, not once per bucket update; an LR scheduler built on
+    the wrapped optimizer gives torch DDP's results, without torch's warning that it stepped
+    before the optimizer (whose updates come later)."""
+    import warnings
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    out = {}
+    for name, model in _torch_ddp_and_ours():
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+        calls = []
+        inner.register_step_pre_hook(lambda *args: calls.append("inner pre"))
+        inner.register_step_post_hook(lambda *args: calls.append("inner post"))
+        scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+        opt = model.overlap_optimizer(inner, schedule="fifo") if name == "ours" else inner
+        handle = register_optimizer_step_post_hook(lambda *args: calls.append("global post"))
+        gen = torch.Generator().manual_seed(rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                model(torch.randn(4, 8, generator=gen)).sum().backward()
+                opt.step()
+                scheduler.step()
+                opt.zero_grad()
+        handle.remove()
+        out[name] = dict(calls=calls, warnings=[str(w.message) for w in caught],
+                         params=[p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_step_hooks_run_once_per_step_and_a_scheduler_on_the_wrapped_optimizer_works(ranks_once):
+    for r in ranks_once(hooks_worker, 2, ()):
+        assert r["ours"]["calls"] == r["torch"]["calls"] == \
+            ["inner pre", "inner post", "global post"] * 4, r["ours"]["calls"]
+        assert not [w for w in r["ours"]["warnings"] if "lr_scheduler" in w], r["ours"]["warnings"]
+        assert all(torch.equal(a, b) for a, b in zip(r["ours"]["params"], r["torch"]["params"]))

@@ -48,7 +48,8 @@ def planned_link(planned: dict):
     from pyreducer.tuning.linkmodel import LinkModel
 
     link = planned["link"]
-    return LinkModel(link["latency_s"], link["bandwidth_bytes_per_s"], link.get("contention", 0.0))
+    return LinkModel(link["latency_s"], link["bandwidth_bytes_per_s"], link.get("contention", 0.0),
+                     link.get("queue_s", 0.0))
 
 
 def first_read_ms(entry: dict, variant: str, ranks: int) -> float | None:

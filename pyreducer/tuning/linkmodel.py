@@ -26,6 +26,10 @@ class LinkModel:
     # Fraction of the rank's compute that a running all-reduce takes away (0: communication is
     # free for compute, as with NCCL or a host with spare cores; see probe_contention).
     contention: float = 0.0
+    # How long an all-reduce that starts while another is streaming waits behind the bytes that
+    # one has queued for the wire first (Gloo's concurrent all-reduces share one TCP connection
+    # per peer): up to the socket buffers' depth; 0 where collectives do not share a queue.
+    queue_s: float = 0.0
 
     def allreduce_s(self, size_bytes: float, ranks: int) -> float:
         if ranks <= 1:
@@ -134,6 +138,19 @@ def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float =
         loaded.append(slowest(elapsed, group))
     contention = min(0.9, max(0.0, 1.0 - statistics.median(alone) / statistics.median(loaded)))
 
+    latency = max(link.latency_s,
+                  _probe_loaded_latency(lambda: kernel(per_ms), group, reps, small_ops))
+    queue = _probe_queue(data, torch.ones(1024), link, group, reps)
+    return dataclasses.replace(link, contention=float(contention), latency_s=float(latency),
+                               queue_s=float(queue))
+
+
+def _probe_loaded_latency(busy_ms, group, reps: int, small_ops: int) -> float:
+    """Per all-reduce, the time `small_ops` 4 KiB all-reduces queued at once take to complete
+    while `busy_ms()` (about 1 ms of compute) keeps the core busy; median, slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
     small = [torch.ones(1024) for _ in range(small_ops)]
     latencies = []
     for _ in range(reps):
@@ -141,10 +158,35 @@ def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float =
         start = time.perf_counter()
         works = [dist.all_reduce(t, group=group, async_op=True) for t in small]
         while not works[-1].is_completed() and time.perf_counter() - start < 2.0:
-            kernel(per_ms)  # keep the core busy, as backward does; check about every ms
+            busy_ms()  # keep the core busy, as backward does; check about every ms
         elapsed = time.perf_counter() - start
         for w in works:
             w.wait()
         latencies.append(slowest(elapsed, group) / small_ops)
-    latency = max(link.latency_s, statistics.median(latencies))
-    return dataclasses.replace(link, contention=float(contention), latency_s=float(latency))
+    return statistics.median(latencies)
+
+
+def _probe_queue(big, small, link: LinkModel, group, reps: int) -> float:
+    """queue_s: a small all-reduce timed alone, then started a third into a big one's wire
+    time; the difference of the medians (slowest rank's), at least 0. At 1 Gbit/s on the
+    emulated hosts a 155 KB all-reduce took 3.7 ms alone and 24-27 ms beside one of 4-16 MB
+    (9.7 beside 2 MB, none beside 1 MB): the socket buffers hold ~25 ms of bytes."""
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size(group)
+    head_s = link.wire_s(big.numel() * big.element_size(), ranks) / 3
+    alone, beside = [], []
+    for _ in range(reps):
+        barrier(group, "cpu")
+        start = time.perf_counter()
+        dist.all_reduce(small, group=group)
+        alone.append(slowest(time.perf_counter() - start, group))
+        barrier(group, "cpu")
+        work = dist.all_reduce(big, group=group, async_op=True)
+        time.sleep(head_s)
+        start = time.perf_counter()
+        dist.all_reduce(small, group=group)
+        elapsed = time.perf_counter() - start
+        work.wait()
+        beside.append(slowest(elapsed, group))
+    return max(0.0, statistics.median(beside) - statistics.median(alone))

@@ -3,10 +3,14 @@ what OverlapOptimizer(schedule="auto") delegates to (model: pyreducer/tuning/sch
 
 At the start of a synced forward, on every rank alike (the counters are synced forwards, the
 same everywhere): once `warmup` synced iterations ran with the bucket plan in force (and a
-bucket autotune, if any, has decided), the link is probed (collective, once), rank 0 builds an
-OverlapProfile from its timeline and the overlap events and broadcasts the candidates: the
-TRIALS schedules the step model predicts fastest (on the probed link, its bandwidth scaled to
-what the profiled backwards got from it: schedule.loaded_link), and torch DDP's step barrier
+bucket autotune, if any, has decided), on CPU parameters HELD_ITERATIONS + 1 iterations run
+held (_hold: every all-reduce waits for the bucket full last, and is completed before the next
+forward), which time the compute alone; then the link is probed (collective, once), rank 0
+builds an OverlapProfile from its timeline and the overlap events (the held iterations' compute,
+the contention measured in place from the iterations before them: contention.py) and
+broadcasts the candidates: the TRIALS schedules the step model predicts fastest (on the probed
+link, its bandwidth scaled to what the profiled backwards got from it: schedule.loaded_link),
+and torch DDP's step barrier
 (deferred completion off: every reduction completes at the backward's end). Every rank then
 installs each in turn for 1 + TRIAL_ITERATIONS synced iterations (the first, whose backward ran
 under the previous schedule, is not timed), in ROUNDS rounds, every other one in reverse order
@@ -31,12 +35,14 @@ import time
 
 from pyreducer import sync
 from pyreducer import timeline as timeline_module
+from pyreducer.tuning import contention
 from pyreducer.tuning import schedule as schedule_model
 
 logger = logging.getLogger("pyreducer.overlap")
 
 WARMUP_ITERATIONS = 4  # synced iterations recorded with a plan before its schedule is made
 PROFILE_ITERATIONS = 3  # of which the profile takes the medians
+HELD_ITERATIONS = 3  # then timed with every all-reduce held to the backward's end (_hold)
 TRIALS = 3  # candidates measured, the model's best first
 TRIAL_ITERATIONS = 3  # steps timed per candidate and round (after one to let it take over)
 ROUNDS = 2  # rounds over the candidates, the second in reverse order (drift cancels)
@@ -64,6 +70,10 @@ class ScheduleTuner:
         self.pending_samples: list[float] = []  # the trial's in this round
         self.last_forward = None
         self.log: list[dict] = []
+        self.held_left = 0      # synced forwards left in the held phase (_hold)
+        self.held_for = None    # the plan version it holds for ...
+        self.held_from = None   # ... and its first held backward's iteration
+        self.held_profiled = None  # the schedule the records before it were made under
 
     @property
     def reducer(self):
@@ -82,11 +92,21 @@ class ScheduleTuner:
         if self.trial is not None:
             self._measure()
             return
-        if plan != self.seen_plan:
-            self.seen_plan, self.since_change = plan, 0
-        self.since_change += 1
-        if plan == self.planned_for or self.since_change <= self.warmup:
-            return
+        if self.held_left and plan != self.held_for:  # a new plan: profile it from the start
+            self.held_left = 0
+        if self.held_left:  # the compute alone: nothing in flight beside the next forward
+            self.settle()
+            self.held_left -= 1
+            if self.held_left:
+                return
+        else:
+            if plan != self.seen_plan:
+                self.seen_plan, self.since_change = plan, 0
+            self.since_change += 1
+            if plan == self.planned_for or self.since_change <= self.warmup:
+                return
+            if self._hold(plan):
+                return
         self.planned_for = plan
         if self.link is None:
             if self.settle is not None:
@@ -104,6 +124,41 @@ class ScheduleTuner:
             self.trials, self.round = list(range(len(self.candidates))), 0
             self.samples = [[] for _ in self.candidates]
             self._next_trial()
+
+    def _hold(self, plan) -> bool:
+        """Starts the held phase, if the contention is to be measured in place (CPU parameters,
+        the model choosing): for HELD_ITERATIONS + 1 backwards every all-reduce waits for the
+        bucket full last (launched first), and each next forward starts with everything
+        completed and updated (settle), so those iterations time the compute with no
+        communication beside it. Returns whether it started (every rank alike: rank 0 picks the
+        bucket and broadcasts it)."""
+        params = self.tuning.params
+        if self.chunk_bytes is not None or self.settle is None or params.device.type != "cpu":
+            return False
+        last = self._last_full_bucket() if params.rank == 0 else None
+        last = sync.from_rank0(last, params.process_group, params.device)
+        if last is None:
+            return False
+        count = len(self.reducer.bucket_layout())
+        self.held_profiled = dict(order=self.reducer.launch_order(),
+                                  chunks=self.reducer.launch_chunks())
+        self.reducer.set_launch_order([last] + [b for b in range(count) if b != last],
+                                      [1] * count)
+        self.held_for, self.held_left = plan, HELD_ITERATIONS + 1
+        self.held_from = self.reducer.num_iterations + 1  # the coming backward's number
+        return True
+
+    def _last_full_bucket(self) -> int | None:
+        """Rank 0: the bucket full last in the recorded backwards of the plan in force."""
+        records = timeline_module.records(self.tuning.params, self.reducer, PROFILE_ITERATIONS)
+        records = [r for r in records if r["plan_version"] == self.reducer.plan_version()]
+        if not records or not records[0]["buckets"]:
+            return None
+        count = len(records[0]["buckets"])
+        ready = [statistics.median(r["buckets"][b]["ready_ns"] - r["backward_start_ns"]
+                                   for r in records if len(r["buckets"]) == count)
+                 for b in range(count)]
+        return max(range(count), key=lambda b: (ready[b], b))
 
     def _install(self, schedule: dict, event: str, **fields) -> None:
         self.reducer.set_launch_order(schedule["order"], schedule["chunks"])
@@ -164,24 +219,12 @@ class ScheduleTuner:
         """Rank 0: the schedules to try for the plan in force (the model's best TRIALS; with a
         fixed chunk size, that one), or None."""
         params = self.tuning.params
-        records = timeline_module.records(params, self.reducer, PROFILE_ITERATIONS + 1,
-                                          overlap=self.events)
-        if not records:
+        found = self._profile()
+        if found is None:
             return None
-        version = records[-1]["plan_version"]
-        records = [r for r in records if r["plan_version"] == version]
-        try:
-            profile = schedule_model.OverlapProfile.from_records(records)
-        except ValueError as error:
-            logger.warning("overlap schedule not planned: %s", error)
-            return None
-        profile.max_chunks = self.max_chunks()
+        profile, link, link_fields, measured, profiled = found
         lanes = self.lanes()
         ranks = params.world_size
-        # the link as the profiled backwards saw it (the probe ran on idle ranks)
-        profiled = dict(order=self.reducer.launch_order(), chunks=self.reducer.launch_chunks())
-        link, scale = schedule_model.loaded_link(records, self.link, ranks, lanes,
-                                                 profiled["order"], profiled["chunks"])
         if self.chunk_bytes is None:  # the model's best few (distinct), to be measured
             options = schedule_model.best_schedule(profile, link, ranks, lanes=lanes)[1]
             trials = sorted(options, key=lambda o: o.predicted_ms)[:TRIALS]
@@ -210,9 +253,47 @@ class ScheduleTuner:
                     profile=dataclasses.asdict(profile), profiled_schedule=profiled,
                     link=dict(latency_s=link.latency_s,
                               bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
-                              contention=link.contention,
-                              probed_bandwidth_bytes_per_s=self.link.bandwidth_bytes_per_s,
-                              bandwidth_scale=scale))
+                              contention=link.contention, queue_s=link.queue_s,
+                              **link_fields),
+                    contention_in_place=measured)
+
+    def _profile(self):
+        """Rank 0: (profile, link, what to log of the link, the contention measured in place
+        or None, the schedule the profile was recorded under) from the timeline, or None. The link is the probed one with
+        its bandwidth as the profiled backwards got it (loaded_link: the probe ran on idle
+        ranks) and, where the held phase ran (_hold), the contention measured in place, and the
+        profile's compute is the held iterations' (contention.py)."""
+        params = self.tuning.params
+        records = timeline_module.records(params, self.reducer,
+                                          PROFILE_ITERATIONS + HELD_ITERATIONS + 2,
+                                          overlap=self.events)
+        if not records:
+            return None
+        version = records[-1]["plan_version"]
+        records = [r for r in records if r["plan_version"] == version]
+        held = [r for r in records
+                if self.held_for == version and r["iteration"] >= self.held_from]
+        records = [r for r in records if r not in held][-(PROFILE_ITERATIONS + 1):]
+        profiled = self.held_profiled if held else dict(order=self.reducer.launch_order(),
+                                                        chunks=self.reducer.launch_chunks())
+        try:
+            profile = schedule_model.OverlapProfile.from_records(records)
+            measured = contention.measure_in_place(records, held) if held else None
+            if measured is not None:  # and the profile as recorded, to judge the model by
+                measured["loaded_profile"] = dataclasses.asdict(profile)
+                profile = profile.with_compute_of(held)
+        except ValueError as error:
+            logger.warning("overlap schedule not planned: %s", error)
+            return None
+        profile.max_chunks = self.max_chunks()
+        link, scale = schedule_model.loaded_link(records, self.link, params.world_size,
+                                                 self.lanes(), profiled["order"],
+                                                 profiled["chunks"])
+        if measured is not None:
+            link = dataclasses.replace(link, contention=measured["contention"])
+        link_fields = dict(probed_bandwidth_bytes_per_s=self.link.bandwidth_bytes_per_s,
+                           probed_contention=self.link.contention, bandwidth_scale=scale)
+        return profile, link, link_fields, measured, profiled
 
     def lanes(self) -> int:
         """All-reduces the process group runs at once: Gloo's worker threads (2 unless the

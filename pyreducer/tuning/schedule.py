@@ -30,9 +30,12 @@ The step model of an overlapped step (`predict_ms`), per iteration:
              taking the link's latency, then its bytes at the bandwidth shared with the others
              on the wire (channel_done_ms);
     then the gap (step(), zero_grad(), loading the batch) before the next forward.
-Contention (link.contention = k): a chunk sent during backward delays the rest of the backward
-by k x its wire time; one sent after it adds that to the next forward. Iterated until the period
-settles (the channel and the reductions carry over from one iteration to the next).
+Contention (link.contention = c, pyreducer/tuning/contention.py): while any reduction runs, the
+compute (backward, the forward's segments, updates, the gap) advances at 1 - c of its speed;
+a backward's reductions move its own buckets' full times, solved as a fixed point (_backward).
+The profile's compute should be contention-free (OverlapProfile.with_compute_of): a profile
+recorded beside communication holds contention already, which the model would charge again.
+Iterated until the period settles (the reductions carry over from one iteration to the next).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from pyreducer.tuning import contention
 from pyreducer.tuning.linkmodel import LinkModel
 
 CHUNK_CANDIDATES_BYTES = (None, 8 << 20, 4 << 20, 2 << 20, 1 << 20, 512 << 10, 256 << 10)
@@ -83,6 +87,26 @@ class OverlapProfile:
             tail_ms=med(p["tail_ms"] for p in per),
             update_ms=[med(p["update_ms"].get(b, 0.0) for p in per) for b in range(count)],
             gap_ms=med(p["gap_ms"] for p in per))
+
+
+    def with_compute_of(self, held: list[dict]) -> "OverlapProfile":
+        """This profile with the compute of `held` timeline records, iterations with no
+        communication beside their compute (contention.measure_in_place): their medians of
+        each bucket's full time and of the backward, and the forward's segments scaled to sum
+        to their forward's compute. Raises ValueError if no held record is complete."""
+        count = len(self.ready_ms)
+        held = [r for r in held if contention.has_forward(r) and len(r["buckets"]) == count]
+        if not held:
+            raise ValueError("overlap profile: no held iteration has its next forward's events")
+        med, ms = statistics.median, 1e-6
+        ready = [med((r["buckets"][b]["ready_ns"] - r["backward_start_ns"]) * ms for r in held)
+                 for b in range(count)]
+        forward = med(sum(e - s for s, e in contention.compute_windows(r)) for r in held)
+        scale = forward / max(sum(self.segment_ms) + self.tail_ms, 1e-9)
+        return dataclasses.replace(
+            self, ready_ms=ready,
+            backward_ms=med((r["backward_end_ns"] - r["backward_start_ns"]) * ms for r in held),
+            segment_ms=[x * scale for x in self.segment_ms], tail_ms=self.tail_ms * scale)
 
 
 def _complete_overlap(record: dict) -> bool:
@@ -180,17 +204,20 @@ def priority_order(profile: OverlapProfile, chunks: list[int], link: LinkModel,
 
 
 def channel_done_ms(launch_ms: list[float], wire_ms: list[float], latency_ms: float,
-                    lanes: int) -> list[float]:
+                    lanes: int, queue_ms: float = 0.0) -> list[float]:
     """Completion times of all-reduces entering the channel in list order at `launch_ms`: at most
     `lanes` run at once (Gloo runs 2 by default, ProcessGroupGloo's worker threads; NCCL one per
     stream), each spends `latency_ms` without using the wire, then its `wire_ms` of bytes,
-    sharing the link's bandwidth equally with the others on the wire."""
+    sharing the link's bandwidth equally with the others on the wire. One that starts while
+    another is on the wire first waits behind the bytes already queued for it (LinkModel.queue_s):
+    `queue_ms` more latency, at most the longest wire time left among the others."""
     done = [0.0] * len(launch_ms)
     active: list[list] = []  # [index, latency left, wire left]
     t, admitted = -math.inf, 0
     while admitted < len(launch_ms) or active:
         while admitted < len(launch_ms) and len(active) < lanes and launch_ms[admitted] <= t:
-            active.append([admitted, latency_ms, wire_ms[admitted]])
+            behind = max((a[2] for a in active if a[1] <= 0), default=0.0)
+            active.append([admitted, latency_ms + min(queue_ms, behind), wire_ms[admitted]])
             admitted += 1
         if not active:
             t = launch_ms[admitted]
@@ -266,36 +293,51 @@ def _record_scale(record: dict, link: LinkModel, ranks: int, lanes: int, order: 
         wires = [link.wire_s(buckets[b]["size_bytes"] / chunks[b], ranks) * 1e3 / scale
                  for b in entries]
         done: dict[int, float] = {}
-        for b, finished in zip(entries, channel_done_ms(launches, wires, latency_ms, lanes)):
+        for b, finished in zip(entries, channel_done_ms(launches, wires, latency_ms, lanes,
+                                                        link.queue_s * 1e3)):
             done[b] = max(done.get(b, -math.inf), finished)
         return sum((done[b] - measured[b]) ** 2 for b in done)
 
     return min(LINK_SCALES, key=error)
 
 
+FIXED_POINT = 6  # passes over one backward: its launches slow its compute, which moves them
+
+
 def _backward(profile: OverlapProfile, order: list[int], chunks: list[int], link: LinkModel,
-              ranks: int, lanes: int, backward_start: float) -> tuple[list[float], float, float]:
-    """One backward from `backward_start`: (done per bucket, the backward's delay from
-    contention, the contention carried into what follows it)."""
+              ranks: int, lanes: int, backward_start: float,
+              busy_before: list[tuple[float, float]]) -> tuple[list[float], float, list]:
+    """One backward from `backward_start`, beside the reductions still running then
+    (`busy_before`, merged intervals): (done per bucket, the backward's end, the merged
+    intervals its own reductions run). Its compute runs at 1 - link.contention of its speed
+    while any reduction runs (contention.advance), which delays the buckets' launches, which
+    moves the reductions: solved in at most FIXED_POINT passes."""
     count = len(profile.size_bytes)
     latency_ms = link.latency_s * 1e3 if ranks > 1 else 0.0
-    backward_end = backward_start + profile.backward_ms
-    delay, launch, carry_ms = 0.0, -math.inf, 0.0
-    launches, wires = [], []
-    for b in order:
-        size = profile.size_bytes[b] / chunks[b]
-        launch = max(launch, backward_start + profile.ready_ms[b] + delay)
-        launches.append(launch)
-        wires.append(link.wire_s(size, ranks) * 1e3)
-        stolen = link.contention * wires[-1]
-        if launch < backward_end + delay:
-            delay += stolen  # compute of this backward
-        else:
-            carry_ms += stolen  # compute of what follows
+    c = link.contention
+    wires = [link.wire_s(profile.size_bytes[b] / chunks[b], ranks) * 1e3 for b in order]
+    busy, own, launches, finished = list(busy_before), [], None, []
+    for _ in range(FIXED_POINT):
+        full = [contention.advance(backward_start, profile.ready_ms[b], busy, c)
+                for b in range(count)]
+        new, previous = [], -math.inf
+        for b in order:
+            previous = max(previous, full[b])
+            new.append(previous)
+        settled = launches is not None and max(
+            (abs(x - y) for x, y in zip(new, launches)), default=0.0) < 1e-3
+        launches = new
+        finished = channel_done_ms(launches, wires, latency_ms, lanes, link.queue_s * 1e3)
+        own = contention.merge(zip(launches, finished))
+        if settled or c <= 0:
+            break
+        busy = contention.merge(list(busy_before) + own)
+    end = contention.advance(backward_start, profile.backward_ms,
+                             contention.merge(list(busy_before) + own), c)
     done = [-math.inf] * count
-    for b, finished in zip(order, channel_done_ms(launches, wires, latency_ms, lanes)):
-        done[b] = max(done[b], finished)
-    return done, delay, carry_ms
+    for b, t in zip(order, finished):
+        done[b] = max(done[b], t)
+    return done, end, own
 
 
 def predict_ms(profile: OverlapProfile, order: list[int], chunks: list[int], link: LinkModel,
@@ -303,17 +345,21 @@ def predict_ms(profile: OverlapProfile, order: list[int], chunks: list[int], lin
     """The overlapped step's period under the step model of the module doc, on a channel of
     `lanes` (channel_done_ms)."""
     count = len(profile.size_bytes)
-    done = [-math.inf] * count  # the previous backward's reductions
-    start, starts, carry_ms = 0.0, [], 0.0
+    c = link.contention
+    done = [-math.inf] * count  # the previous backward's reductions ...
+    busy: list[tuple[float, float]] = []  # ... and when they ran
+    start, starts = 0.0, []
     for _ in range(ITERATIONS):
         starts.append(start)
         t = start
         for k, b in enumerate(profile.read_order):
-            t = max(t + profile.segment_ms[k], done[b]) + profile.update_ms[b]
-        backward_start = t + profile.tail_ms + carry_ms  # every reduction is complete here
-        done, delay, carry_ms = _backward(profile, order, chunks, link, ranks, lanes,
-                                          backward_start)
-        start = backward_start + profile.backward_ms + delay + profile.gap_ms
+            t = max(contention.advance(t, profile.segment_ms[k], busy, c), done[b])
+            t = contention.advance(t, profile.update_ms[b], busy, c)
+        backward_start = contention.advance(t, profile.tail_ms, busy, c)
+        # every reduction is complete here: the forward read every bucket
+        done, end, busy = _backward(profile, order, chunks, link, ranks, lanes, backward_start,
+                                    [])
+        start = contention.advance(end, profile.gap_ms, busy, c)
     return starts[-1] - starts[-2]
 
 
@@ -322,8 +368,8 @@ def predict_barrier_ms(profile: OverlapProfile, order: list[int], chunks: list[i
     """torch DDP's step under the same model: the forward's compute and updates without waits,
     the backward, then whatever communication is left (nothing crosses the step)."""
     forward = sum(profile.segment_ms) + profile.tail_ms + sum(profile.update_ms)
-    done, delay, _ = _backward(profile, order, chunks, link, ranks, lanes, 0.0)
-    return forward + max([profile.backward_ms + delay] + done) + profile.gap_ms
+    done, end, _ = _backward(profile, order, chunks, link, ranks, lanes, 0.0, [])
+    return forward + max([end] + done) + profile.gap_ms
 
 
 def barrier_schedule(profile: OverlapProfile) -> Schedule:

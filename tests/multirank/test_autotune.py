@@ -42,7 +42,7 @@ def tuning_worker(rank, world_size):
     from pyreducer.tuning import probe_contention
 
     loaded = probe_contention(LinkModel(1e-4, 1e9), reps=2, work_s=0.005)
-    out["contention"] = (loaded.contention, loaded.latency_s)
+    out["contention"] = (loaded.contention, loaded.latency_s, loaded.queue_s)
     return out
 
 
@@ -76,8 +76,9 @@ def test_plan_buckets_predicts_and_applies(tuned):
 
 
 def test_contention_probe_gives_every_rank_the_same_link(tuned):
-    contention, latency_s = tuned[0]["contention"]
+    contention, latency_s, queue_s = tuned[0]["contention"]
     assert 0.0 <= contention <= 0.9 and 1e-4 <= latency_s < 2.0  # never below the idle latency
+    assert 0.0 <= queue_s < 2.0
     assert tuned[0]["contention"] == tuned[1]["contention"]  # from all-reduced times
 
 

@@ -160,9 +160,9 @@ def trials_worker(rank, world_size):
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False)
         if name == "ours":
             opt = model.overlap_optimizer(opt)
-        # rebuild, warm-up, then each trial (the barrier's too) takes 1 + TRIAL_ITERATIONS steps
-        # per round
-        steps = 8 + overlap_control.ROUNDS * (overlap_control.TRIALS + 1) * (
+        # rebuild, warm-up, the held iterations, then each trial (the barrier's too) takes
+        # 1 + TRIAL_ITERATIONS steps per round
+        steps = 8 + overlap_control.HELD_ITERATIONS + 1 + overlap_control.ROUNDS * (overlap_control.TRIALS + 1) * (
             overlap_control.TRIAL_ITERATIONS + 1) + 3
         gen = torch.Generator().manual_seed(rank)
         for step in range(steps):
@@ -197,6 +197,15 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
         # whole buckets in two orders at least, chunks of 256 KB; and torch DDP's barrier
         assert 3 <= trials <= overlap_control_trials() + 1
         assert r["log"][0]["trials"][-1]["barrier"]
+        # the contention was measured in place: held iterations (the compute alone) against
+        # the profiled ones, and the model planned on it and on the held compute
+        measured, planned = r["log"][0]["contention_in_place"], r["log"][0]
+        # (one forward in three has no backward here: it counts, but records nothing)
+        assert 2 <= measured["held_records"] <= overlap_control_held()
+        assert measured["loaded_records"] >= 2
+        assert 0.0 <= measured["contention"] <= 0.9
+        assert planned["link"]["contention"] == measured["contention"]
+        assert planned["profile"]["backward_ms"] == measured["backward_ms"]
         assert "barrier" in r["log"][-2]["describe"]  # measured last
         chosen = r["log"][-1]
         assert r["set"] == (chosen["order"], chosen["chunks"])
@@ -209,6 +218,12 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
     assert all(log[-1]["order"] == logs[0][-1]["order"] for log in logs)
     assert results[0]["log"][-1]["measured_ms"] == min(m["measured_ms"]
                                                        for m in results[0]["log"][1:-1])
+
+
+def overlap_control_held():
+    from pyreducer.tuning import overlap_control
+
+    return overlap_control.HELD_ITERATIONS
 
 
 def overlap_control_trials():

@@ -78,13 +78,26 @@ def test_latency_makes_tiny_chunks_lose():
     assert by_chunk[MB // 4] > by_chunk[None] and best.chunk_bytes is None
 
 
-def test_contention_charges_compute():
-    profile = three_buckets()
+def test_contention_slows_the_compute_while_a_reduction_runs():
+    # compute-bound: buckets full at 10, 20, 30 ms of compute, 4 ms all-reduces; c = 0.5
+    profile = three_buckets(ready_ms=[10.0, 20.0, 30.0], backward_ms=30.0)
+    loaded = LinkModel(0.0, MB * 1e3, contention=0.5)
+    # barrier: bucket 0 runs 10-14, the compute gets 2 ms of work done meanwhile: bucket 1
+    # is full at 22, runs 22-26; bucket 2 full at 34, runs 34-38; 3 ms forward + 38 = 41
+    # (without contention: 3 + max(30, 34) = 37)
+    barrier = barrier_schedule(profile)
+    assert barrier.predict(profile, loaded, 2).predicted_ms == pytest.approx(41.0)
+    assert barrier.predict(profile, LINK, 2).predicted_ms == pytest.approx(37.0)
+    # across the step: the backward ends at 34; the forward's first 1 ms segment runs beside
+    # bucket 2 (34-38) at half speed, ends at 36, waits to 38, then 1 + 1 ms: period 40
+    # (without contention: ends 30, reads at 31, waits to 34, 35, 36: 36)
     fifo = fifo_schedule(profile)
-    free = predict_ms(profile, fifo.order, fifo.chunks, LINK, 2)
-    loaded = predict_ms(profile, fifo.order, fifo.chunks,
-                        LinkModel(0.0, MB * 1e3, contention=0.5), 2)
-    assert loaded > free and math.isfinite(loaded)
+    assert predict_ms(profile, fifo.order, fifo.chunks, loaded, 2) == pytest.approx(40.0)
+    assert predict_ms(profile, fifo.order, fifo.chunks, LINK, 2) == pytest.approx(36.0)
+    # communication-bound, the compute waits for the channel anyway: contention costs nothing
+    bound = three_buckets()
+    assert predict_ms(bound, fifo.order, fifo.chunks, loaded, 2) == \
+        pytest.approx(predict_ms(bound, fifo.order, fifo.chunks, LINK, 2))
 
 
 def test_profile_from_records():
@@ -113,6 +126,20 @@ def test_channel_lanes_share_the_wire_and_overlap_latency():
         pytest.approx([12.0, 4.0, 8.0])
     # launched later than the channel frees: starts at its launch
     assert channel_done_ms([0.0, 10.0], [1.0, 1.0], 0.5, lanes=2) == pytest.approx([1.5, 11.5])
+
+
+def test_a_reduction_started_beside_a_streaming_one_waits_behind_its_queued_bytes():
+    # without a queue the 1 ms one shares the wire at once: done at 7; the 10 ms one at 11
+    assert channel_done_ms([0.0, 5.0], [10.0, 1.0], 0.0, lanes=2) == pytest.approx([11.0, 7.0])
+    # 3 ms queued ahead of it: the long one has the wire alone 5-8 (2 ms left at 8), then both
+    # share it: the short one is done at 10, the long one at 11
+    assert channel_done_ms([0.0, 5.0], [10.0, 1.0], 0.0, lanes=2, queue_ms=3.0) == \
+        pytest.approx([11.0, 10.0])
+    # never longer than what the other still has to send (1 ms at t=9)
+    assert channel_done_ms([0.0, 9.0], [10.0, 1.0], 0.0, lanes=2, queue_ms=3.0) == \
+        pytest.approx([10.0, 11.0])
+    # nothing on the wire, no queue: latency only
+    assert channel_done_ms([0.0], [1.0], 0.5, lanes=2, queue_ms=3.0) == pytest.approx([1.5])
 
 
 def test_in_flight_budget_lets_more_chunks_ahead():

@@ -279,8 +279,10 @@ class ScheduleTuner:
         try:
             profile = schedule_model.OverlapProfile.from_records(records)
             measured = contention.measure_in_place(records, held) if held else None
-            if measured is not None:  # and the profile as recorded, to judge the model by
-                measured["loaded_profile"] = dataclasses.asdict(profile)
+            if measured is not None:  # and what it came from, to judge the model by offline
+                measured.update(loaded_profile=dataclasses.asdict(profile),
+                                records=dict(loaded=[_compact(r) for r in records],
+                                             held=[_compact(r) for r in held]))
                 profile = profile.with_compute_of(held)
         except ValueError as error:
             logger.warning("overlap schedule not planned: %s", error)
@@ -316,3 +318,11 @@ class ScheduleTuner:
                 element = params.tensors[first].element_size()
                 result.append(max(1, bucket["size_bytes"] // element))
         return result
+
+
+def _compact(record: dict) -> dict:
+    """A timeline record without per-gradient times and names: what the schedule model reads."""
+    compact = {k: v for k, v in record.items() if k not in ("grads", "host", "buckets")}
+    compact["buckets"] = [{k: v for k, v in b.items() if k != "params"}
+                          for b in record["buckets"]]
+    return compact

@@ -155,10 +155,13 @@ class Schedule:
     def describe(self) -> str:
         if self.barrier:
             return "torch DDP's step barrier (no overlap)"
-        size = "whole buckets" if self.chunk_bytes is None else f"{self.chunk_bytes / 2**20:g} MB"
         budget = "" if self.budget_bytes is None else \
             f", up to {self.budget_bytes / 2**20:g} MB in flight"
-        return f"chunks of {size}, {len(self.order)} all-reduces{budget}"
+        if self.chunk_bytes is None:  # two orders of whole buckets may be candidates
+            order = "torch DDP's order" if self.order == sorted(self.order) else \
+                "first read first"
+            return f"whole buckets, {order}, {len(self.order)} all-reduces{budget}"
+        return f"chunks of {self.chunk_bytes / 2**20:g} MB, {len(self.order)} all-reduces{budget}"
 
 
 def chunk_counts(profile: OverlapProfile, chunk_bytes: int | None) -> list[int]:

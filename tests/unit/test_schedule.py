@@ -159,6 +159,10 @@ def test_in_flight_budget_lets_more_chunks_ahead():
     best, options = best_schedule(profile, LINK, 2, candidates=(MB,), budgets=(None, 2 * MB))
     assert {o.budget_bytes for o in options[1:]} == {None, 2 * MB}
     assert "up to 2 MB in flight" in [o for o in options if o.budget_bytes][0].describe()
+    # whole buckets in torch DDP's order and in priority order are told apart
+    whole = best_schedule(profile, LINK, 2, candidates=(None,), budgets=(None,))[1]
+    assert [o.describe() for o in whole] == ["whole buckets, torch DDP's order, 3 all-reduces",
+                                             "whole buckets, first read first, 3 all-reduces"]
 
 
 def test_barrier_prediction_by_hand():

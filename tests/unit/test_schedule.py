@@ -217,3 +217,17 @@ def test_loaded_link_without_times_keeps_the_probe():
     record = dict(backward_start_ns=0, buckets=[dict(size_bytes=MB, launch_ns=0, done_ns=0)])
     assert loaded_link([record], LINK, 2, 2, [0], [1]) == (LINK, 1.0)
     assert loaded_link([], LINK, 2, 2, [0], [1]) == (LINK, 1.0)
+
+
+def test_the_tuner_keeps_the_barrier_unless_an_overlap_beat_it_by_the_margin():
+    from pyreducer.tuning.overlap_control import MARGIN, choose
+
+    def candidates(*overlap_ms, barrier_ms=100.0):
+        return [dict(measured_ms=m) for m in overlap_ms] + [dict(measured_ms=barrier_ms,
+                                                                 barrier=True)]
+
+    assert choose(candidates(95.0, 97.0)) == 0  # 5% faster: kept
+    assert choose(candidates(101.0, 99.5)) == 2  # 0.5% faster: within the margin, a tie
+    assert choose(candidates(100 * (1 - MARGIN) - 0.01)) == 0
+    assert choose(candidates(120.0, barrier_ms=110.0)) == 1  # the barrier was fastest
+    assert choose([dict(measured_ms=5.0), dict(measured_ms=4.0)]) == 1  # no barrier candidate

@@ -167,10 +167,11 @@ def _probe_loaded_latency(busy_ms, group, reps: int, small_ops: int) -> float:
 
 
 def _probe_queue(big, small, link: LinkModel, group, reps: int) -> float:
-    """queue_s: a small all-reduce timed alone, then started a third into a big one's wire
-    time; the difference of the medians (slowest rank's), at least 0. At 1 Gbit/s on the
-    emulated hosts a 155 KB all-reduce took 3.7 ms alone and 24-27 ms beside one of 4-16 MB
-    (9.7 beside 2 MB, none beside 1 MB): the socket buffers hold ~25 ms of bytes."""
+    """queue_s: a small (4 KiB) all-reduce timed alone, then started a third into a big one's
+    wire time; the difference of the medians (slowest rank's), at least 0. Measured by hand at
+    1 Gbit/s on the emulated hosts, a 155 KB all-reduce took 3.7 ms alone and 24-27 ms beside
+    one of 4-16 MB (9.7 beside 2 MB, none beside 1 MB): the socket buffers hold ~25 ms of
+    bytes; this probe gave 5-60 ms (benchmarks/results/overlap_inplace_20261125.md)."""
     import torch.distributed as dist
 
     ranks = dist.get_world_size(group)

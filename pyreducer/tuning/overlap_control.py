@@ -52,7 +52,7 @@ MARGIN = 0.02  # an overlapped schedule is kept only if it measured this much fa
 def choose(candidates: list[dict]) -> int:
     """The index of the candidate to keep: the one measured fastest ("measured_ms"), unless it
     crosses the step and the step barrier (a candidate with "barrier" true) measured within
-    MARGIN of it: then the barrier. Trial medians of 6 steps wobble by a few percent here (runs
+    MARGIN of it: then the barrier (on any device). Trial medians of 6 steps wobble by a few percent here (runs
     4-5 of benchmarks/results/overlap_inplace_20261125.md: an overlap 0.4% faster than the
     barrier in its trials was 5% slower in the benchmark); the barrier is the step the
     overlap must beat, so a tie goes to it."""
@@ -90,6 +90,7 @@ class ScheduleTuner:
         self.held_for = None    # the plan version it holds for ...
         self.held_from = None   # ... and its first held backward's iteration
         self.held_profiled = None  # the schedule the records before it were made under
+        self.loaded: list[dict] = []  # rank 0: those records (_last_full_bucket)
 
     @property
     def reducer(self):
@@ -131,6 +132,9 @@ class ScheduleTuner:
         choice = self._plan_or_none() if params.rank == 0 else None
         choice = sync.from_rank0(choice, params.process_group, params.device)
         if choice is None:  # rank 0 could not profile: keep torch DDP's order
+            if self.held_for == plan:  # not the held one
+                self.reducer.set_launch_order(self.held_profiled["order"],
+                                              self.held_profiled["chunks"])
             return
         self.log.append(dict(event="planned", **choice))
         self.candidates = list(choice["trials"])
@@ -147,11 +151,18 @@ class ScheduleTuner:
         bucket full last (launched first), and each next forward starts with everything
         completed and updated (settle), so those iterations time the compute with no
         communication beside it. Returns whether it started (every rank alike: rank 0 picks the
-        bucket and broadcasts it)."""
+        bucket and broadcasts it). Rank 0 keeps the records before it (self.loaded), whose next
+        forward ran: the timeline may not hold them by the time of planning, and the forward
+        starting now waits in this broadcast behind the reductions in flight."""
         params = self.tuning.params
         if self.chunk_bytes is not None or self.settle is None or params.device.type != "cpu":
             return False
-        last = self._last_full_bucket() if params.rank == 0 else None
+        last = None
+        if params.rank == 0:
+            try:
+                last = self._last_full_bucket()
+            except Exception:  # noqa: BLE001 - the other ranks are waiting in the broadcast
+                logger.exception("overlap schedule: held iterations skipped")
         last = sync.from_rank0(last, params.process_group, params.device)
         if last is None:
             return False
@@ -165,14 +176,17 @@ class ScheduleTuner:
         return True
 
     def _last_full_bucket(self) -> int | None:
-        """Rank 0: the bucket full last in the recorded backwards of the plan in force."""
-        records = timeline_module.records(self.tuning.params, self.reducer, PROFILE_ITERATIONS)
-        records = [r for r in records if r["plan_version"] == self.reducer.plan_version()]
-        if not records or not records[0]["buckets"]:
+        """Rank 0: the bucket full last in the recorded backwards of the plan in force, whose
+        next forward ran (kept as self.loaded), or None if there are none."""
+        records = timeline_module.records(self.tuning.params, self.reducer,
+                                          PROFILE_ITERATIONS + 1, overlap=self.events)
+        self.loaded = [r for r in records if r["plan_version"] == self.reducer.plan_version()
+                       and r["iteration"] < self.reducer.num_iterations and r["buckets"]]
+        if not self.loaded:
             return None
-        count = len(records[0]["buckets"])
+        count = len(self.loaded[-1]["buckets"])
         ready = [statistics.median(r["buckets"][b]["ready_ns"] - r["backward_start_ns"]
-                                   for r in records if len(r["buckets"]) == count)
+                                   for r in self.loaded if len(r["buckets"]) == count)
                  for b in range(count)]
         return max(range(count), key=lambda b: (ready[b], b))
 
@@ -279,16 +293,16 @@ class ScheduleTuner:
         ranks) and, where the held phase ran (_hold), the contention measured in place, and the
         profile's compute is the held iterations' (contention.py)."""
         params = self.tuning.params
-        records = timeline_module.records(params, self.reducer,
-                                          PROFILE_ITERATIONS + HELD_ITERATIONS + 2,
+        version = self.reducer.plan_version()
+        records = timeline_module.records(params, self.reducer, PROFILE_ITERATIONS + 1,
                                           overlap=self.events)
+        records = [r for r in records if r["plan_version"] == version]
+        held = []
+        if self.held_for == version and self.loaded:
+            held = [r for r in records if r["iteration"] >= self.held_from]
+            records = self.loaded
         if not records:
             return None
-        version = records[-1]["plan_version"]
-        records = [r for r in records if r["plan_version"] == version]
-        held = [r for r in records
-                if self.held_for == version and r["iteration"] >= self.held_from]
-        records = [r for r in records if r not in held][-(PROFILE_ITERATIONS + 1):]
         profiled = self.held_profiled if held else dict(order=self.reducer.launch_order(),
                                                         chunks=self.reducer.launch_chunks())
         try:

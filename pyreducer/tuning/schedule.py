@@ -32,7 +32,7 @@ The step model of an overlapped step (`predict_ms`), per iteration:
     then the gap (step(), zero_grad(), loading the batch) before the next forward.
 Contention (link.contention = c, pyreducer/tuning/contention.py): while any reduction runs, the
 compute (backward, the forward's segments, updates, the gap) advances at 1 - c of its speed;
-a backward's reductions move its own buckets' full times, solved as a fixed point (_backward).
+a backward's reductions move its own buckets' full times (solved in launch order: _backward).
 The profile's compute should be contention-free (OverlapProfile.with_compute_of): a profile
 recorded beside communication holds contention already, which the model would charge again.
 Iterated until the period settles (the reductions carry over from one iteration to the next).
@@ -92,8 +92,10 @@ class OverlapProfile:
     def with_compute_of(self, held: list[dict]) -> "OverlapProfile":
         """This profile with the compute of `held` timeline records, iterations with no
         communication beside their compute (contention.measure_in_place): their medians of
-        each bucket's full time and of the backward, and the forward's segments scaled to sum
-        to their forward's compute. Raises ValueError if no held record is complete."""
+        each bucket's full time, of the backward and of each bucket's update, and the forward's
+        segments scaled to sum to their forward's compute. The gap (step(), zero_grad(), the
+        next batch) stays as recorded: in the held iterations it holds the wait for all
+        communication. Raises ValueError if no held record is complete."""
         count = len(self.ready_ms)
         held = [r for r in held if contention.has_forward(r) and len(r["buckets"]) == count]
         if not held:
@@ -103,8 +105,14 @@ class OverlapProfile:
                  for b in range(count)]
         forward = med(sum(e - s for s, e in contention.compute_windows(r)) for r in held)
         scale = forward / max(sum(self.segment_ms) + self.tail_ms, 1e-9)
+        update = list(self.update_ms)  # the held iterations' updates ran with nothing in flight
+        for b in range(count):
+            times = [(u["updated_ns"] - u["reduced_ns"]) * ms for r in held
+                     for u in r["overlap"]["updates"] if u["bucket"] == b and u["updated_ns"]]
+            if times:
+                update[b] = med(times)
         return dataclasses.replace(
-            self, ready_ms=ready,
+            self, ready_ms=ready, update_ms=update,
             backward_ms=med((r["backward_end_ns"] - r["backward_start_ns"]) * ms for r in held),
             segment_ms=[x * scale for x in self.segment_ms], tail_ms=self.tail_ms * scale)
 
@@ -304,37 +312,32 @@ def _record_scale(record: dict, link: LinkModel, ranks: int, lanes: int, order: 
     return min(LINK_SCALES, key=error)
 
 
-FIXED_POINT = 6  # passes over one backward: its launches slow its compute, which moves them
-
-
 def _backward(profile: OverlapProfile, order: list[int], chunks: list[int], link: LinkModel,
               ranks: int, lanes: int, backward_start: float,
               busy_before: list[tuple[float, float]]) -> tuple[list[float], float, list]:
     """One backward from `backward_start`, beside the reductions still running then
     (`busy_before`, merged intervals): (done per bucket, the backward's end, the merged
     intervals its own reductions run). Its compute runs at 1 - link.contention of its speed
-    while any reduction runs (contention.advance), which delays the buckets' launches, which
-    moves the reductions: solved in at most FIXED_POINT passes."""
+    while any reduction runs (contention.advance), so each bucket fills later for every
+    reduction launched before it. Solved in launch order: a bucket's full time depends only on
+    the reductions launched before its first entry (the later ones start after it), and up to
+    that time those run as they would alone on the channel."""
     count = len(profile.size_bytes)
     latency_ms = link.latency_s * 1e3 if ranks > 1 else 0.0
-    c = link.contention
+    queue_ms, c = link.queue_s * 1e3, link.contention
     wires = [link.wire_s(profile.size_bytes[b] / chunks[b], ranks) * 1e3 for b in order]
-    busy, own, launches, finished = list(busy_before), [], None, []
-    for _ in range(FIXED_POINT):
-        full = [contention.advance(backward_start, profile.ready_ms[b], busy, c)
-                for b in range(count)]
-        new, previous = [], -math.inf
-        for b in order:
-            previous = max(previous, full[b])
-            new.append(previous)
-        settled = launches is not None and max(
-            (abs(x - y) for x, y in zip(new, launches)), default=0.0) < 1e-3
-        launches = new
-        finished = channel_done_ms(launches, wires, latency_ms, lanes, link.queue_s * 1e3)
-        own = contention.merge(zip(launches, finished))
-        if settled or c <= 0:
-            break
-        busy = contention.merge(list(busy_before) + own)
+    launches, full, previous = [], {}, -math.inf
+    for k, b in enumerate(order):
+        if b not in full:
+            busy = busy_before
+            if c > 0 and k:
+                done = channel_done_ms(launches, wires[:k], latency_ms, lanes, queue_ms)
+                busy = contention.merge(list(busy_before) + list(zip(launches, done)))
+            full[b] = contention.advance(backward_start, profile.ready_ms[b], busy, c)
+        previous = max(previous, full[b])
+        launches.append(previous)
+    finished = channel_done_ms(launches, wires, latency_ms, lanes, queue_ms)
+    own = contention.merge(zip(launches, finished))
     end = contention.advance(backward_start, profile.backward_ms,
                              contention.merge(list(busy_before) + own), c)
     done = [-math.inf] * count

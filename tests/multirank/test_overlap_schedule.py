@@ -206,7 +206,8 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
         # (one forward in three has no backward here: it counts, but records nothing)
         assert 2 <= measured["held_records"] <= overlap_control_held()
         assert measured["loaded_records"] >= 2
-        assert len(measured["records"]["held"]) >= measured["held_records"]  # for offline checks
+        # kept for offline checks: every held record, the last one's forward not yet run
+        assert len(measured["records"]["held"]) == measured["held_records"] + 1
         assert 0.0 <= measured["contention"] <= 0.9
         assert planned["link"]["contention"] == measured["contention"]
         assert planned["profile"]["backward_ms"] == measured["backward_ms"]
@@ -228,6 +229,38 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
     measured = [dict(measured_ms=m["measured_ms"], barrier=t["barrier"])
                 for m, t in zip(log[1:-1], log[0]["trials"])]
     assert log[-1]["describe"] == log[0]["trials"][choose(measured)]["describe"]
+
+
+def failed_plan_worker(rank, world_size):
+    """Rank 0's planning fails after the held iterations: every rank goes back to the order
+    the profile was recorded under (torch DDP's), not the held one, and keeps training."""
+    from pyreducer import DistributedDataParallel
+    from pyreducer.tuning import overlap_control
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planning failed on purpose")
+
+    overlap_control.schedule_model.best_schedule = broken  # only rank 0 plans
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_model(), bucket_cap_mb=CAP_MB)
+    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    gen = torch.Generator().manual_seed(rank)
+    count, held = None, None
+    for _ in range(2 + opt.tuner.warmup + overlap_control.HELD_ITERATIONS + 4):
+        _train(model, opt, gen, steps=1)
+        count = len(model.bucket_plan())
+        if opt.tuner.held_left and held is None:
+            held = model.reducer.launch_order()
+    model.synchronize()
+    return dict(held=held, order=model.reducer.launch_order(), count=count,
+                log=opt.schedule_log, tried=opt.tuner.planned_for is not None)
+
+
+def test_a_failed_plan_after_the_held_iterations_restores_the_profiled_order(ranks_once):
+    for r in ranks_once(failed_plan_worker, 2, ()):
+        assert r["held"] is not None and r["held"][0] == r["count"] - 1  # the held phase ran
+        assert r["tried"] and r["log"] == []  # planned once, nothing installed
+        assert r["order"] == list(range(r["count"]))
 
 
 def overlap_control_held():

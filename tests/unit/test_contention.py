@@ -75,12 +75,16 @@ def test_profile_takes_the_held_iterations_compute():
     profile = OverlapProfile(ready_ms=[4.0, 9.0], size_bytes=[10, 20], backward_ms=14.0,
                              read_order=[1, 0], segment_ms=[3.0, 6.0], tail_ms=3.0,
                              update_ms=[2.0, 1.0], gap_ms=2.0)
-    held = _record(10, (11, 17))
+    # held: everything completed before the forward (11-17), bucket 1 updated in 0.5 ms then
+    held = _record(10, (11, 17), updates=[(10.5, 10.5, 11.0)])
+    held["overlap"]["updates"][0]["bucket"] = 1
     held["buckets"] = [dict(size_bytes=10, ready_ns=3 * MS), dict(size_bytes=20, ready_ns=8 * MS)]
     clean = profile.with_compute_of([held])
     assert clean.ready_ms == [3.0, 8.0] and clean.backward_ms == 10.0
     # the forward's 12 ms of segments and tail scaled to the held forward's 6 ms
     assert clean.segment_ms == pytest.approx([1.5, 3.0]) and clean.tail_ms == pytest.approx(1.5)
-    assert (clean.update_ms, clean.gap_ms, clean.read_order) == ([2.0, 1.0], 2.0, [1, 0])
+    # bucket 1's update from the held iteration, bucket 0's (not updated there) as recorded
+    assert clean.update_ms == pytest.approx([2.0, 0.5])
+    assert (clean.gap_ms, clean.read_order) == (2.0, [1, 0])
     with pytest.raises(ValueError, match="held"):
         profile.with_compute_of([dict(held, overlap=None)])

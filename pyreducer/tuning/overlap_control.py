@@ -19,8 +19,8 @@ synced forwards (no collective per step: it would wait behind the reductions in 
 erase the overlap being measured; the ranks' steps are tied together by their collectives) and
 broadcasts which had the lowest median (choose: the barrier, unless an overlapped schedule
 measured MARGIN faster); every rank installs that one for good. The model ranks the schedules
-(on the bench models its predictions were within 10% of the trials' times for 14 and 16 of 20,
-and of the benchmark's for 4 and 5 of 5: benchmarks/results/overlap_inplace_20261125.md), and
+(on the bench models its predictions were within 10% of the trials' times for 12-16 of 20,
+and of the benchmark's for 2-5 of 5, in four runs: benchmarks/results/overlap_inplace_20261125.md), and
 measurement decides among the best few, as bucket autotune does. With a fixed
 chunk size there is one candidate, installed at once. A new bucket plan (rebuild,
 apply_bucket_plan) resets the Reducer to torch DDP's order, and the schedule is planned again

@@ -200,8 +200,8 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
         # whole buckets in two orders at least, chunks of 256 KB; and torch DDP's barrier
         assert 3 <= trials <= overlap_control_trials() + 1
         assert r["log"][0]["trials"][-1]["barrier"]
-        # the contention was measured in place: held iterations (the compute alone) against
-        # the profiled ones, and the model planned on it and on the held compute
+        # the contention was measured in place (held iterations, the compute alone, against
+        # the profiled ones) and logged; the model planned on the held compute and the probe's
         measured, planned = r["log"][0]["contention_in_place"], r["log"][0]
         # (one forward in three has no backward here: it counts, but records nothing)
         assert 2 <= measured["held_records"] <= overlap_control_held()
@@ -209,7 +209,7 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
         # kept for offline checks: every held record, the last one's forward not yet run
         assert len(measured["records"]["held"]) == measured["held_records"] + 1
         assert 0.0 <= measured["contention"] <= 0.9
-        assert planned["link"]["contention"] == measured["contention"]
+        assert planned["link"]["contention"] == planned["link"]["probed_contention"]
         assert planned["profile"]["backward_ms"] == measured["backward_ms"]
         assert "barrier" in r["log"][-2]["describe"]  # measured last
         chosen = r["log"][-1]

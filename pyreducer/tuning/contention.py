@@ -81,7 +81,8 @@ def measure_in_place(loaded: list[dict], held: list[dict]) -> dict | None:
     followed each backward): `loaded` recorded with all-reduces beside the compute, `held` with
     none beside it (module doc). Returns {"contention", "backward_ms", "forward_ms" (the held
     medians), "loaded_backward_ms", "loaded_forward_ms", "busy_backward_ms", "busy_forward_ms"
-    (the loaded medians), "held_records", "loaded_records"}, or None if either set has no complete record or the communication
+    (the loaded medians), "held_records", "loaded_records"}, or None if either set has no
+    complete record or the communication
     overlapped less than MIN_BUSY_MS of compute."""
     ms = 1e-6
     held = [r for r in held if has_forward(r)]
@@ -101,8 +102,10 @@ def measure_in_place(loaded: list[dict], held: list[dict]) -> dict | None:
     result = dict(backward_ms=med((r["backward_end_ns"] - r["backward_start_ns"]) * ms
                                   for r in held),
                   forward_ms=med(sum(e - s for s, e in compute_windows(r)) for r in held),
-                  loaded_backward_ms=med(x[0] for x in rows), busy_backward_ms=med(x[1] for x in rows),
-                  loaded_forward_ms=med(x[2] for x in rows), busy_forward_ms=med(x[3] for x in rows))
+                  loaded_backward_ms=med(x[0] for x in rows),
+                  busy_backward_ms=med(x[1] for x in rows),
+                  loaded_forward_ms=med(x[2] for x in rows),
+                  busy_forward_ms=med(x[3] for x in rows))
     result.update(held_records=len(held), loaded_records=len(loaded))
     busy_ms = result["busy_backward_ms"] + result["busy_forward_ms"]
     if busy_ms < MIN_BUSY_MS:

@@ -20,8 +20,9 @@ erase the overlap being measured; the ranks' steps are tied together by their co
 broadcasts which had the lowest median (choose: the barrier, unless an overlapped schedule
 measured MARGIN faster); every rank installs that one for good. The model ranks the schedules
 (on the bench models its predictions were within 10% of the trials' times for 12-16 of 20,
-and of the benchmark's for 2-5 of 5, in four runs: benchmarks/results/overlap_inplace_20261125.md), and
-measurement decides among the best few, as bucket autotune does. With a fixed
+and of the benchmark's for 2-5 of 5, in five runs: benchmarks/results/
+overlap_inplace_20261125.md), and measurement decides among the best few, as bucket autotune
+does. With a fixed
 chunk size there is one candidate, installed at once. A new bucket plan (rebuild,
 apply_bucket_plan) resets the Reducer to torch DDP's order, and the schedule is planned again
 for it after `warmup` more iterations.
@@ -46,16 +47,17 @@ HELD_ITERATIONS = 3  # then timed with every all-reduce held to the backward's e
 TRIALS = 3  # candidates measured, the model's best first
 TRIAL_ITERATIONS = 3  # steps timed per candidate and round (after one to let it take over)
 ROUNDS = 2  # rounds over the candidates, the second in reverse order (drift cancels)
-MARGIN = 0.02  # an overlapped schedule is kept only if it measured this much faster than the barrier
+MARGIN = 0.02  # an overlapped schedule is kept only if it measured this much faster than the
+# barrier
 
 
 def choose(candidates: list[dict]) -> int:
     """The index of the candidate to keep: the one measured fastest ("measured_ms"), unless it
     crosses the step and the step barrier (a candidate with "barrier" true) measured within
-    MARGIN of it: then the barrier (on any device). Trial medians of 6 steps wobble by a few percent here (runs
-    4-5 of benchmarks/results/overlap_inplace_20261125.md: an overlap 0.4% faster than the
-    barrier in its trials was 5% slower in the benchmark); the barrier is the step the
-    overlap must beat, so a tie goes to it."""
+    MARGIN of it: then the barrier (on any device). Trial medians of 6 steps wobble by a few
+    percent here (runs 4-5 of benchmarks/results/overlap_inplace_20261125.md: an overlap 0.4%
+    faster than the barrier in its trials was 5% slower in the benchmark); the barrier is the
+    step the overlap must beat, so a tie goes to it."""
     best = min(range(len(candidates)), key=lambda k: candidates[k]["measured_ms"])
     barrier = [k for k, c in enumerate(candidates) if c.get("barrier")]
     if barrier and not candidates[best].get("barrier") and \
@@ -313,6 +315,7 @@ class ScheduleTuner:
                 measured.update(loaded_profile=dataclasses.asdict(profile),
                                 records=dict(loaded=[_compact(r) for r in records],
                                              held=[_compact(r) for r in held]))
+            if held:
                 profile = profile.with_compute_of(held)
         except ValueError as error:
             logger.warning("overlap schedule not planned: %s", error)

@@ -88,7 +88,6 @@ class OverlapProfile:
             update_ms=[med(p["update_ms"].get(b, 0.0) for p in per) for b in range(count)],
             gap_ms=med(p["gap_ms"] for p in per))
 
-
     def with_compute_of(self, held: list[dict]) -> "OverlapProfile":
         """This profile with the compute of `held` timeline records, iterations with no
         communication beside their compute (contention.measure_in_place): their medians of
@@ -118,9 +117,7 @@ class OverlapProfile:
 
 
 def _complete_overlap(record: dict) -> bool:
-    overlap = record.get("overlap")
-    return bool(overlap and overlap["forward_start_ns"] and overlap["forward_end_ns"]
-                and overlap["updates"])
+    return contention.has_forward(record) and bool(record["overlap"]["updates"])
 
 
 def _one_iteration(record: dict, count: int) -> dict:
@@ -313,10 +310,9 @@ def _record_scale(record: dict, link: LinkModel, ranks: int, lanes: int, order: 
 
 
 def _backward(profile: OverlapProfile, order: list[int], chunks: list[int], link: LinkModel,
-              ranks: int, lanes: int, backward_start: float,
-              busy_before: list[tuple[float, float]]) -> tuple[list[float], float, list]:
-    """One backward from `backward_start`, beside the reductions still running then
-    (`busy_before`, merged intervals): (done per bucket, the backward's end, the merged
+              ranks: int, lanes: int, backward_start: float) -> tuple[list[float], float, list]:
+    """One backward from `backward_start`, with no reduction running then (the forward before
+    it read, so waited for, every bucket): (done per bucket, the backward's end, the merged
     intervals its own reductions run). Its compute runs at 1 - link.contention of its speed
     while any reduction runs (contention.advance), so each bucket fills later for every
     reduction launched before it. Solved in launch order: a bucket's full time depends only on
@@ -329,17 +325,16 @@ def _backward(profile: OverlapProfile, order: list[int], chunks: list[int], link
     launches, full, previous = [], {}, -math.inf
     for k, b in enumerate(order):
         if b not in full:
-            busy = busy_before
+            busy = []
             if c > 0 and k:
                 done = channel_done_ms(launches, wires[:k], latency_ms, lanes, queue_ms)
-                busy = contention.merge(list(busy_before) + list(zip(launches, done)))
+                busy = contention.merge(zip(launches, done))
             full[b] = contention.advance(backward_start, profile.ready_ms[b], busy, c)
         previous = max(previous, full[b])
         launches.append(previous)
     finished = channel_done_ms(launches, wires, latency_ms, lanes, queue_ms)
     own = contention.merge(zip(launches, finished))
-    end = contention.advance(backward_start, profile.backward_ms,
-                             contention.merge(list(busy_before) + own), c)
+    end = contention.advance(backward_start, profile.backward_ms, own, c)
     done = [-math.inf] * count
     for b, t in zip(order, finished):
         done[b] = max(done[b], t)
@@ -362,9 +357,7 @@ def predict_ms(profile: OverlapProfile, order: list[int], chunks: list[int], lin
             t = max(contention.advance(t, profile.segment_ms[k], busy, c), done[b])
             t = contention.advance(t, profile.update_ms[b], busy, c)
         backward_start = contention.advance(t, profile.tail_ms, busy, c)
-        # every reduction is complete here: the forward read every bucket
-        done, end, busy = _backward(profile, order, chunks, link, ranks, lanes, backward_start,
-                                    [])
+        done, end, busy = _backward(profile, order, chunks, link, ranks, lanes, backward_start)
         start = contention.advance(end, profile.gap_ms, busy, c)
     return starts[-1] - starts[-2]
 
@@ -374,7 +367,7 @@ def predict_barrier_ms(profile: OverlapProfile, order: list[int], chunks: list[i
     """torch DDP's step under the same model: the forward's compute and updates without waits,
     the backward, then whatever communication is left (nothing crosses the step)."""
     forward = sum(profile.segment_ms) + profile.tail_ms + sum(profile.update_ms)
-    done, end, _ = _backward(profile, order, chunks, link, ranks, lanes, 0.0, [])
+    done, end, _ = _backward(profile, order, chunks, link, ranks, lanes, 0.0)
     return forward + max([end] + done) + profile.gap_ms
 
 

@@ -165,8 +165,8 @@ def trials_worker(rank, world_size):
             opt = model.overlap_optimizer(opt)
         # rebuild, warm-up, the held iterations, then each trial (the barrier's too) takes
         # 1 + TRIAL_ITERATIONS steps per round
-        steps = 8 + overlap_control.HELD_ITERATIONS + 1 + overlap_control.ROUNDS * (overlap_control.TRIALS + 1) * (
-            overlap_control.TRIAL_ITERATIONS + 1) + 3
+        steps = 8 + overlap_control.HELD_ITERATIONS + 1 + overlap_control.ROUNDS * (
+            overlap_control.TRIALS + 1) * (overlap_control.TRIAL_ITERATIONS + 1) + 3
         gen = torch.Generator().manual_seed(rank)
         for step in range(steps):
             if name == "ours" and step % 3 == 0:  # a forward whose backward never comes: the

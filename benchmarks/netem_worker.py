@@ -30,8 +30,8 @@ VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overl
             "overlap")
 OVERLAPPED = ("overlapped", "overlap")  # with the overlapped optimizer
 AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
-OVERLAP_WARMUP = 42  # the overlapped optimizer plans after ~6 steps, then times 2 rounds x 4 x 4
-# steps (its three best schedules and the step barrier)
+OVERLAP_WARMUP = 72  # the overlapped optimizer plans after ~8 steps (4 of them held), then times
+# 3 rounds x 4 x 5 steps (its three best schedules and the step barrier)
 
 
 class Plain:

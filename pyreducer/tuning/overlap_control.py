@@ -14,11 +14,13 @@ and torch DDP's step barrier
 (deferred completion off: every reduction completes at the backward's end). Every rank then
 installs each in turn for 1 + TRIAL_ITERATIONS synced iterations (the first, whose backward ran
 under the previous schedule, is not timed), in ROUNDS rounds, every other one in reverse order
-so that a drift of the machine's speed weighs on all alike; rank 0 times the steps between its
-synced forwards (no collective per step: it would wait behind the reductions in flight and
-erase the overlap being measured; the ranks' steps are tied together by their collectives) and
-broadcasts which had the lowest median (choose: the barrier, unless an overlapped schedule
-measured MARGIN faster); every rank installs that one for good. The model ranks the schedules
+so that a drift of the machine's speed weighs on all alike. Each rank times its window of
+TRIAL_ITERATIONS steps between its synced forwards (no collective per step: it would wait
+behind the reductions in flight and erase the overlap being measured); at the end the ranks
+gather their windows, a window counts as its slowest rank's mean step (the benchmark's
+measure), and a candidate as the median of its windows (Note [Trial windows]). The lowest
+wins (choose: the barrier, unless an overlapped schedule measured MARGIN faster), the same on
+every rank, which installs it for good. The model ranks the schedules
 (on the bench models its predictions were within 10% of the trials' times for 12-16 of 20,
 and of the benchmark's for 2-5 of 5, in five runs: benchmarks/results/
 overlap_inplace_20261125.md), and measurement decides among the best few, as bucket autotune
@@ -45,17 +47,39 @@ WARMUP_ITERATIONS = 4  # synced iterations recorded with a plan before its sched
 PROFILE_ITERATIONS = 3  # of which the profile takes the medians
 HELD_ITERATIONS = 3  # then timed with every all-reduce held to the backward's end (_hold)
 TRIALS = 3  # candidates measured, the model's best first
-TRIAL_ITERATIONS = 3  # steps timed per candidate and round (after one to let it take over)
-ROUNDS = 2  # rounds over the candidates, the second in reverse order (drift cancels)
+TRIAL_ITERATIONS = 4  # steps timed per candidate and round (after one to let it take over)
+ROUNDS = 3  # rounds over the candidates, every other one in reverse order (drift cancels)
 MARGIN = 0.02  # an overlapped schedule is kept only if it measured this much faster than the
 # barrier
+
+# Note [Trial windows]
+# With the step crossed, one rank's step-to-step intervals swing by 10-20% while its lead over
+# the other ranks grows and shrinks (measured on mlp_large, 1 Gbit/s, 2 hosts: rank 0's
+# intervals under one schedule 285-422 ms, rank 1's 286-453, alternating; under the barrier,
+# which ties the ranks every step, both 314-328). The median of single intervals of rank 0 then
+# judged schedules by its phase: the tuner's trials and the benchmark's 12-step blocks
+# disagreed by up to 20% on the same schedule (runs 6 and 8 of
+# benchmarks/results/overlap_inplace_20261125.md). A window's mean step telescopes the swings
+# of its inner steps away, and its slowest rank is what bounds the ranks' progress together.
+
+
+def slowest_windows(per_rank: list[list[float]]) -> list[float]:
+    """One candidate's trial windows as the slowest rank saw each: `per_rank[r][w]` is rank r's
+    mean step in window w (Note [Trial windows]). Every rank timed the same windows (its synced
+    forwards are counted alike); a mismatch is a bug, named."""
+    counts = {len(windows) for windows in per_rank}
+    if len(counts) != 1:
+        raise RuntimeError(f"overlap schedule: the ranks timed different numbers of trial "
+                           f"windows: {[len(w) for w in per_rank]} (expected the same on every "
+                           "rank)")
+    return [max(column) for column in zip(*per_rank)]
 
 
 def choose(candidates: list[dict]) -> int:
     """The index of the candidate to keep: the one measured fastest ("measured_ms"), unless it
     crosses the step and the step barrier (a candidate with "barrier" true) measured within
-    MARGIN of it: then the barrier (on any device). Trial medians of 6 steps wobble by a few
-    percent here (runs 4-5 of benchmarks/results/overlap_inplace_20261125.md: an overlap 0.4%
+    MARGIN of it: then the barrier (on any device). Trial times wobble by a few percent
+    here (runs 4-5 of benchmarks/results/overlap_inplace_20261125.md: an overlap 0.4%
     faster than the barrier in its trials was 5% slower in the benchmark); the barrier is the
     step the overlap must beat, so a tie goes to it."""
     best = min(range(len(candidates)), key=lambda k: candidates[k]["measured_ms"])
@@ -84,8 +108,8 @@ class ScheduleTuner:
         self.trials: list[int] = []  # candidates still to be measured in this round
         self.trial: int | None = None  # the one being measured
         self.round = 0
-        self.samples: list[list[float]] = []  # per candidate, its step times (s), rank 0's clock
-        self.pending_samples: list[float] = []  # the trial's in this round
+        self.samples: list[list[float]] = []  # per candidate, this rank's mean step (s) per window
+        self.pending_samples: list[float] = []  # the step intervals of the window being timed
         self.last_forward = None
         self.log: list[dict] = []
         self.held_left = 0      # synced forwards left in the held phase (_hold)
@@ -218,7 +242,7 @@ class ScheduleTuner:
         self.last_forward = now
         if len(self.pending_samples) < TRIAL_ITERATIONS + 1:
             return
-        self.samples[self.trial] += self.pending_samples[1:]
+        self.samples[self.trial].append(statistics.fmean(self.pending_samples[1:]))
         self.trial = None
         if not self.trials and self.round + 1 < ROUNDS:
             self.round += 1
@@ -226,16 +250,17 @@ class ScheduleTuner:
         if self.trials:
             self._next_trial()
             return
-        for candidate, samples in zip(self.candidates, self.samples):
-            candidate["measured_ms"] = statistics.median(samples) * 1e3
+        params = self.tuning.params
+        every = sync.all_gather_object(self.samples, params.process_group, params.device)
+        for k, candidate in enumerate(self.candidates):
+            windows = slowest_windows([ranks[k] for ranks in every])
+            candidate["measured_ms"] = statistics.median(windows) * 1e3
             self.log.append(dict(event="measured", describe=candidate["describe"],
                                  measured_ms=candidate["measured_ms"],
-                                 predicted_ms=candidate["predicted_ms"]))
-        params = self.tuning.params
-        # rank 0's times decide (every rank's step is bound to the others' by the collectives)
-        best = choose(self.candidates) if params.rank == 0 else None
-        best = sync.from_rank0(best, params.process_group, params.device)
-        chosen = self.candidates[best]
+                                 predicted_ms=candidate["predicted_ms"],
+                                 windows_ms=[w * 1e3 for w in windows],
+                                 rank0_windows_ms=[w * 1e3 for w in every[0][k]]))
+        chosen = self.candidates[choose(self.candidates)]  # the same gathered times everywhere
         self._install(chosen, "chosen", measured_ms=chosen["measured_ms"])
 
     def _plan_or_none(self) -> dict | None:

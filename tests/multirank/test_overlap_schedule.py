@@ -3,6 +3,7 @@ overlapped optimizer's planned schedule (pyreducer/tuning/overlap_control.py), o
 ranks: the same sums as torch DDP (bit for bit at 2 ranks), the same order on every rank
 whatever the timing, and clear errors for what cannot be chunked."""
 import copy
+import statistics
 
 import pytest
 import torch
@@ -219,8 +220,14 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
         assert r["in_flight"][True] == (0, 0) and r["in_flight"][False][0] > 0
         for ours, theirs in zip(r["ours"], r["torch"]):
             assert torch.equal(ours, theirs)
-    # rank 0's times decide, and every rank installs its choice
+    # every rank decides on the same gathered windows, and installs the same choice
     assert all(log[-1]["order"] == logs[0][-1]["order"] for log in logs)
+    for k, m in enumerate(logs[0][1:-1]):
+        assert all(log[1 + k]["windows_ms"] == m["windows_ms"] for log in logs)
+        # a window is its slowest rank's mean step; a candidate is the median window
+        assert len(m["windows_ms"]) == overlap_control_rounds()
+        assert m["measured_ms"] == statistics.median(m["windows_ms"])
+        assert all(w >= w0 for w, w0 in zip(m["windows_ms"], m["rank0_windows_ms"]))
     # the fastest, or the barrier if none beat it by the margin (choose, tested by hand in
     # tests/unit/test_schedule.py)
     from pyreducer.tuning.overlap_control import choose
@@ -325,3 +332,9 @@ def test_launch_sequences_that_cannot_run_are_refused_by_name(ranks_once):
     assert "hold_back applies to schedule='fifo'" in messages[6]
     for message in messages[7:]:
         assert "schedule must be 'auto', 'fifo' or a chunk size in MB > 0" in message
+
+
+def overlap_control_rounds():
+    from pyreducer.tuning import overlap_control
+
+    return overlap_control.ROUNDS

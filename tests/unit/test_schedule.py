@@ -231,3 +231,13 @@ def test_the_tuner_keeps_the_barrier_unless_an_overlap_beat_it_by_the_margin():
     assert choose(candidates(100 * (1 - MARGIN) - 0.01)) == 0
     assert choose(candidates(120.0, barrier_ms=110.0)) == 1  # the barrier was fastest
     assert choose([dict(measured_ms=5.0), dict(measured_ms=4.0)]) == 1  # no barrier candidate
+
+
+def test_a_trial_window_counts_as_its_slowest_rank():
+    from pyreducer.tuning.overlap_control import slowest_windows
+
+    # rank 0 ahead in window 0, behind in window 1 (the phase swings of a crossed step)
+    assert slowest_windows([[0.30, 0.36, 0.31], [0.34, 0.32, 0.31]]) == [0.34, 0.36, 0.31]
+    assert slowest_windows([[0.25]]) == [0.25]
+    with pytest.raises(RuntimeError, match=r"different numbers of trial windows: \[2, 1\]"):
+        slowest_windows([[0.3, 0.3], [0.3]])

@@ -30,8 +30,9 @@ VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overl
             "overlap")
 OVERLAPPED = ("overlapped", "overlap")  # with the overlapped optimizer
 AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
-OVERLAP_WARMUP = 72  # the overlapped optimizer plans after ~8 steps (4 of them held), then times
-# 3 rounds x 4 x 5 steps (its three best schedules and the step barrier)
+OVERLAP_WARMUP = 84  # the overlapped optimizer plans after ~8 steps (4 of them held), then times
+# 2 rounds x 4 x 5 steps (its three best schedules and the step barrier) and a run-off of
+# 2 x 3 x 5 steps
 
 
 class Plain:

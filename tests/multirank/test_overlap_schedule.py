@@ -165,9 +165,10 @@ def trials_worker(rank, world_size):
         if name == "ours":
             opt = model.overlap_optimizer(opt)
         # rebuild, warm-up, the held iterations, then each trial (the barrier's too) takes
-        # 1 + TRIAL_ITERATIONS steps per round
-        steps = 8 + overlap_control.HELD_ITERATIONS + 1 + overlap_control.ROUNDS * (
-            overlap_control.TRIALS + 1) * (overlap_control.TRIAL_ITERATIONS + 1) + 3
+        # 1 + TRIAL_ITERATIONS steps per round, and the run-off's windows if an overlap won
+        steps = 8 + overlap_control.HELD_ITERATIONS + 1 + (overlap_control.ROUNDS * (
+            overlap_control.TRIALS + 1) + 2 * overlap_control.RUNOFF_WINDOWS) * (
+            overlap_control.TRIAL_ITERATIONS + 1) + 3
         gen = torch.Generator().manual_seed(rank)
         for step in range(steps):
             if name == "ours" and step % 3 == 0:  # a forward whose backward never comes: the
@@ -197,7 +198,8 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
     for r in results:
         events = [e["event"] for e in r["log"]]
         trials = len(r["log"][0]["trials"])
-        assert events == ["planned"] + ["measured"] * trials + ["chosen"], events
+        runoff = ["runoff"] if "runoff" in events else []
+        assert events == ["planned"] + ["measured"] * trials + runoff + ["chosen"], events
         # whole buckets in two orders at least, chunks of 256 KB; and torch DDP's barrier
         assert 3 <= trials <= overlap_control_trials() + 1
         assert r["log"][0]["trials"][-1]["barrier"]
@@ -212,7 +214,7 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
         assert 0.0 <= measured["contention"] <= 0.9
         assert planned["link"]["contention"] == planned["link"]["probed_contention"]
         assert planned["profile"]["backward_ms"] == measured["backward_ms"]
-        assert "barrier" in r["log"][-2]["describe"]  # measured last
+        assert "barrier" in r["log"][trials]["describe"]  # measured last
         chosen = r["log"][-1]
         assert r["set"] == (chosen["order"], chosen["chunks"])
         assert r["barrier_now"] == chosen["barrier"]
@@ -222,7 +224,7 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
             assert torch.equal(ours, theirs)
     # every rank decides on the same gathered windows, and installs the same choice
     assert all(log[-1]["order"] == logs[0][-1]["order"] for log in logs)
-    for k, m in enumerate(logs[0][1:-1]):
+    for k, m in enumerate(logs[0][1:1 + len(logs[0][0]["trials"])]):
         assert all(log[1 + k]["windows_ms"] == m["windows_ms"] for log in logs)
         # a window is its slowest rank's mean step; a candidate is the median window
         assert len(m["windows_ms"]) == overlap_control_rounds()
@@ -233,9 +235,24 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
     from pyreducer.tuning.overlap_control import choose
 
     log = results[0]["log"]
+    trials = log[0]["trials"]
     measured = [dict(measured_ms=m["measured_ms"], barrier=t["barrier"])
-                for m, t in zip(log[1:-1], log[0]["trials"])]
-    assert log[-1]["describe"] == log[0]["trials"][choose(measured)]["describe"]
+                for m, t in zip(log[1:1 + len(trials)], trials)]
+    best = trials[choose(measured)]
+    if log[-2]["event"] != "runoff":  # the barrier won the rounds: no run-off
+        assert best["barrier"] and log[-1]["describe"] == best["describe"]
+        return
+    # an overlap won the rounds: it ran off against the barrier, on fresh windows alone
+    runoff = log[-2]
+    assert not best["barrier"] and runoff["describe"] == best["describe"]
+    assert len(runoff["windows_ms"]) == len(runoff["barrier_windows_ms"]) == \
+        overlap_control_runoff()
+    assert runoff["measured_ms"] == statistics.median(runoff["windows_ms"])
+    assert runoff["barrier_ms"] == statistics.median(runoff["barrier_windows_ms"])
+    fresh = [dict(measured_ms=runoff["measured_ms"]),
+             dict(measured_ms=runoff["barrier_ms"], barrier=True)]
+    assert log[-1]["describe"] == (best, trials[-1])[choose(fresh)]["describe"]
+    assert log[-1]["measured_ms"] == fresh[choose(fresh)]["measured_ms"]
 
 
 def failed_plan_worker(rank, world_size):
@@ -338,3 +355,9 @@ def overlap_control_rounds():
     from pyreducer.tuning import overlap_control
 
     return overlap_control.ROUNDS
+
+
+def overlap_control_runoff():
+    from pyreducer.tuning import overlap_control
+
+    return overlap_control.RUNOFF_WINDOWS

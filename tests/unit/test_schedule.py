@@ -241,3 +241,75 @@ def test_a_trial_window_counts_as_its_slowest_rank():
     assert slowest_windows([[0.25]]) == [0.25]
     with pytest.raises(RuntimeError, match=r"different numbers of trial windows: \[2, 1\]"):
         slowest_windows([[0.3, 0.3], [0.3]])
+
+
+class _FakeReducer:
+    def __init__(self):
+        self.installed = []
+
+    def set_launch_order(self, order, chunks):
+        self.installed.append((list(order), list(chunks)))
+
+
+def _run_trials(monkeypatch, step_ms):
+    """Drives a ScheduleTuner's trials with a fake clock: `step_ms(candidate, runoff)` is each
+    step's time on rank 0; the other rank's windows are 1% slower. Returns the tuner."""
+    from types import SimpleNamespace
+
+    from pyreducer.tuning import overlap_control
+
+    clock = [0.0]
+    monkeypatch.setattr(overlap_control.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(overlap_control.sync, "all_gather_object",
+                        lambda obj, group, device: [obj, [[w * 1.01 for w in c] for c in obj]])
+    params = SimpleNamespace(rank=0, world_size=2, process_group=None, device="cpu")
+    tuning = SimpleNamespace(reducer=_FakeReducer(), params=params)
+    tuner = overlap_control.ScheduleTuner(tuning, events=None, set_barrier=lambda b: None)
+    tuner.candidates = [dict(order=[k], chunks=[1], describe=name, predicted_ms=1.0,
+                             barrier=name == "barrier") for k, name in enumerate("ab")]
+    tuner.candidates.append(dict(order=[2], chunks=[1], describe="barrier", predicted_ms=1.0,
+                                 barrier=True))
+    tuner.trials, tuner.round = [0, 1, 2], 0
+    tuner.samples = [[], [], []]
+    tuner._next_trial()
+    for _ in range(200):
+        if tuner.trial is None:
+            break
+        clock[0] += step_ms(tuner.trial, tuner.runoff is not None) / 1e3
+        tuner._measure()
+    assert tuner.trial is None, "the trials did not end"
+    return tuner
+
+
+def test_an_overlap_that_won_the_rounds_runs_off_against_the_barrier(monkeypatch):
+    from pyreducer.tuning.overlap_control import RUNOFF_WINDOWS
+
+    # "a" won the rounds by 10% (its luck), but on fresh windows it is 1% behind the barrier
+    tuner = _run_trials(monkeypatch, lambda k, runoff: (
+        {0: 101.0, 1: 97.0, 2: 100.0} if runoff else {0: 90.0, 1: 97.0, 2: 100.0})[k])
+    events = [e["event"] for e in tuner.log]
+    assert events == ["measured"] * 3 + ["runoff", "chosen"]
+    assert tuner.log[0]["measured_ms"] == pytest.approx(90.0 * 1.01)  # the slower rank's
+    runoff = tuner.log[3]
+    assert runoff["describe"] == "a"
+    assert runoff["windows_ms"] == pytest.approx([101.0 * 1.01] * RUNOFF_WINDOWS)
+    assert runoff["barrier_windows_ms"] == pytest.approx([100.0 * 1.01] * RUNOFF_WINDOWS)
+    assert tuner.log[-1]["describe"] == "barrier"
+    assert tuner.tuning.reducer.installed[-1] == ([2], [1])
+    # two rounds over three candidates, the run-off's windows, the choice
+    assert len(tuner.tuning.reducer.installed) == 2 * 3 + 2 * RUNOFF_WINDOWS + 1
+
+
+def test_an_overlap_that_wins_the_run_off_too_is_kept(monkeypatch):
+    tuner = _run_trials(monkeypatch, lambda k, runoff: (
+        {0: 94.0, 1: 97.0, 2: 100.0} if runoff else {0: 90.0, 1: 97.0, 2: 100.0})[k])
+    assert tuner.log[3]["event"] == "runoff"
+    assert tuner.log[-1]["describe"] == "a"
+    assert tuner.log[-1]["measured_ms"] == pytest.approx(94.0 * 1.01)  # the fresh time
+    assert tuner.tuning.reducer.installed[-1] == ([0], [1])
+
+
+def test_no_run_off_when_the_barrier_wins_the_rounds(monkeypatch):
+    tuner = _run_trials(monkeypatch, lambda k, runoff: {0: 99.5, 1: 103.0, 2: 100.0}[k])
+    assert [e["event"] for e in tuner.log] == ["measured"] * 3 + ["chosen"]
+    assert tuner.log[-1]["describe"] == "barrier"  # 0.5% faster is within the margin

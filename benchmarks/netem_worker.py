@@ -30,7 +30,7 @@ VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overl
             "overlap")
 OVERLAPPED = ("overlapped", "overlap")  # with the overlapped optimizer
 AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
-OVERLAP_WARMUP = 84  # the overlapped optimizer plans after ~8 steps (4 of them held), then times
+OVERLAP_WARMUP = 84  # the overlapped optimizer plans after ~10 steps (4 of them held), then times
 # 2 rounds x 4 x 5 steps (its three best schedules and the step barrier) and a run-off of
 # 2 x 3 x 5 steps
 

@@ -18,15 +18,14 @@ so that a drift of the machine's speed weighs on all alike. Each rank times its 
 TRIAL_ITERATIONS steps between its synced forwards (no collective per step: it would wait
 behind the reductions in flight and erase the overlap being measured); at the end the ranks
 gather their windows, a window counts as its slowest rank's mean step (the benchmark's
-measure), and a candidate as the median of its windows (Note [Trial windows]). The lowest
-wins (choose: the barrier, unless an overlapped schedule measured MARGIN faster), the same on
-every rank. If an overlapped schedule won, it runs off against the barrier in RUNOFF_WINDOWS
-fresh windows each, alternating, and choose decides again on those alone. Every rank installs
-the winner for good. The model ranks the schedules
-(on the bench models its predictions were within 10% of the trials' times for 12-16 of 20,
-and of the benchmark's for 2-5 of 5, in five runs: benchmarks/results/
-overlap_inplace_20261125.md), and measurement decides among the best few, as bucket autotune
-does. With a fixed
+measure), and a candidate as the median of its windows (with two rounds, their mean; Note
+[Trial windows]). The lowest wins (choose: the barrier, unless an overlapped schedule measured
+MARGIN faster), the same on every rank. If an overlapped schedule won, it runs off against
+the barrier in RUNOFF_WINDOWS fresh windows each, alternating, and choose decides again on
+those alone. Every rank installs the winner for good. The model ranks the schedules (on the
+bench models its predictions were within 10% of the trials' times for 12-16 of 20, and of the
+benchmark's for 2-5 of 5, in five runs: benchmarks/results/overlap_inplace_20261125.md), and
+measurement decides among the best few, as bucket autotune does. With a fixed
 chunk size there is one candidate, installed at once. A new bucket plan (rebuild,
 apply_bucket_plan) resets the Reducer to torch DDP's order, and the schedule is planned again
 for it after `warmup` more iterations.
@@ -51,7 +50,7 @@ HELD_ITERATIONS = 3  # then timed with every all-reduce held to the backward's e
 TRIALS = 3  # candidates measured, the model's best first
 TRIAL_ITERATIONS = 4  # steps timed per candidate and round (after one to let it take over)
 ROUNDS = 2  # rounds over the candidates, every other one in reverse order (drift cancels)
-RUNOFF_WINDOWS = 3  # then per side, if an overlap won: it and the barrier, ABBA..., fresh
+RUNOFF_WINDOWS = 3  # then per side, if an overlap won: barrier, it, it, barrier, barrier, it
 MARGIN = 0.02  # an overlapped schedule is kept only if it measured this much faster than the
 # barrier
 
@@ -67,8 +66,8 @@ MARGIN = 0.02  # an overlapped schedule is kept only if it measured this much fa
 # The run-off: the winner of several noisy estimates is the one whose noise fell lowest, so its
 # own time is biased low (in runs 4-9 the chosen overlap's benchmark time was 2-7% above its
 # trial time in quiet runs, up to 23% in noisy ones; the barrier's mostly within 3%). Fresh
-# windows of the winner against the barrier carry no such selection; the rounds only pick
-# which overlap runs off.
+# windows of the winner against the barrier carry no such selection: the rounds keep the
+# barrier outright where no overlap beat it by MARGIN, and otherwise pick which overlap runs off.
 
 
 def slowest_windows(per_rank: list[list[float]]) -> list[float]:
@@ -113,7 +112,7 @@ class ScheduleTuner:
         self.seen_plan = None     # the plan version in force at the last synced forward ...
         self.since_change = 0     # ... and the synced forwards since it came into force
         self.candidates: list[dict] = []  # the schedules being measured (every rank alike)
-        self.trials: list[int] = []  # candidates still to be measured in this round
+        self.trials: list[int] = []  # candidates still to be measured in this round/run-off
         self.trial: int | None = None  # the one being measured
         self.round = 0
         self.runoff: tuple[int, int] | None = None  # (overlapped winner, barrier) running off

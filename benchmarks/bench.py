@@ -141,11 +141,16 @@ def schedule_lines(variant, entry) -> list[str]:
                 + f"; torch DDP's order {event['fifo_predicted_ms']:.1f}")
         elif event["event"] == "measured":
             lines.append(f"      measured {event['describe']}: {event['measured_ms']:.1f} ms")
+        elif event["event"] == "runoff":
+            lines.append(f"      run-off, fresh windows: {event['describe']} "
+                         f"{event['measured_ms']:.1f} ms, the barrier {event['barrier_ms']:.1f} ms")
         elif event["event"] == "chosen":
             measured = entry[variant]["median_ms"]
+            trials = "" if "measured_ms" not in event else \
+                f"; {measured / event['measured_ms']:.2f} of its trials"  # none: a fixed size
             lines.append(f"    {variant} schedule chosen: {event['describe']}; predicted "
                          f"{event['predicted_ms']:.1f} ms, timed in the benchmark {measured:.1f}"
-                         f" ms ({measured / event['predicted_ms']:.2f} of predicted)")
+                         f" ms ({measured / event['predicted_ms']:.2f} of predicted{trials})")
     return lines
 
 

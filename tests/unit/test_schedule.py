@@ -251,9 +251,10 @@ class _FakeReducer:
         self.installed.append((list(order), list(chunks)))
 
 
-def _run_trials(monkeypatch, step_ms):
+def _run_trials(monkeypatch, step_ms, until=None):
     """Drives a ScheduleTuner's trials with a fake clock: `step_ms(candidate, runoff)` is each
-    step's time on rank 0; the other rank's windows are 1% slower. Returns the tuner."""
+    step's time on rank 0; the other rank's windows are 1% slower. Returns the tuner, at the
+    end of the trials or as soon as `until(tuner)` holds."""
     from types import SimpleNamespace
 
     from pyreducer.tuning import overlap_control
@@ -273,12 +274,11 @@ def _run_trials(monkeypatch, step_ms):
     tuner.samples = [[], [], []]
     tuner._next_trial()
     for _ in range(200):
-        if tuner.trial is None:
-            break
+        if tuner.trial is None or (until is not None and until(tuner)):
+            return tuner
         clock[0] += step_ms(tuner.trial, tuner.runoff is not None) / 1e3
         tuner._measure()
-    assert tuner.trial is None, "the trials did not end"
-    return tuner
+    raise AssertionError("the trials did not end")
 
 
 def test_an_overlap_that_won_the_rounds_runs_off_against_the_barrier(monkeypatch):
@@ -313,3 +313,20 @@ def test_no_run_off_when_the_barrier_wins_the_rounds(monkeypatch):
     tuner = _run_trials(monkeypatch, lambda k, runoff: {0: 99.5, 1: 103.0, 2: 100.0}[k])
     assert [e["event"] for e in tuner.log] == ["measured"] * 3 + ["chosen"]
     assert tuner.log[-1]["describe"] == "barrier"  # 0.5% faster is within the margin
+
+
+def test_a_new_bucket_plan_during_the_run_off_ends_it(monkeypatch):
+    """A rebuild (or apply_bucket_plan) mid-run-off: the run-off is dropped with the trials, the
+    overlap is let run (to be profiled again) and the new plan's warm-up starts."""
+    tuner = _run_trials(monkeypatch, lambda k, runoff: {0: 90.0, 1: 97.0, 2: 100.0}[k],
+                        until=lambda t: t.runoff is not None and len(t.trials) == 3)
+    barrier_calls = []
+    tuner.set_barrier = barrier_calls.append
+    tuner.tuning.reducer.plan_version = lambda: 2  # the trials ran for plan 1
+    tuner.planned_for = 1
+    tuner.tuning.params.world_size = 2
+    tuner.before_synced_forward()
+    assert (tuner.trial, tuner.trials, tuner.runoff) == (None, [], None)
+    assert barrier_calls == [False]
+    assert [e["event"] for e in tuner.log] == ["measured"] * 3  # nothing chosen for plan 1
+    assert tuner.since_change == 1  # warming up on the new plan

@@ -82,8 +82,7 @@ def measure_in_place(loaded: list[dict], held: list[dict]) -> dict | None:
     none beside it (module doc). Returns {"contention", "backward_ms", "forward_ms" (the held
     medians), "loaded_backward_ms", "loaded_forward_ms", "busy_backward_ms", "busy_forward_ms"
     (the loaded medians), "held_records", "loaded_records"}, or None if either set has no
-    complete record or the communication
-    overlapped less than MIN_BUSY_MS of compute."""
+    complete record or the communication overlapped less than MIN_BUSY_MS of compute."""
     ms = 1e-6
     held = [r for r in held if has_forward(r)]
     loaded = [r for r in loaded if has_forward(r)]

@@ -302,9 +302,9 @@ class ScheduleTuner:
                              barrier_ms=fresh[1]["measured_ms"],
                              windows_ms=[w * 1e3 for w in windows[best]],
                              barrier_windows_ms=[w * 1e3 for w in windows[barrier]]))
-        chosen = fresh[choose(fresh)]
-        self._install(self.candidates[best if chosen is fresh[0] else barrier], "chosen",
-                      measured_ms=chosen["measured_ms"])
+        pick = choose(fresh)
+        self._install(self.candidates[(best, barrier)[pick]], "chosen",
+                      measured_ms=fresh[pick]["measured_ms"])
 
     def _plan_or_none(self) -> dict | None:
         """_plan(), or None if it fails: the other ranks are waiting in the broadcast."""

@@ -267,7 +267,7 @@ def _run_trials(monkeypatch, step_ms, until=None):
     tuning = SimpleNamespace(reducer=_FakeReducer(), params=params)
     tuner = overlap_control.ScheduleTuner(tuning, events=None, set_barrier=lambda b: None)
     tuner.candidates = [dict(order=[k], chunks=[1], describe=name, predicted_ms=1.0,
-                             barrier=name == "barrier") for k, name in enumerate("ab")]
+                             barrier=False) for k, name in enumerate("ab")]
     tuner.candidates.append(dict(order=[2], chunks=[1], describe="barrier", predicted_ms=1.0,
                                  barrier=True))
     tuner.trials, tuner.round = [0, 1, 2], 0

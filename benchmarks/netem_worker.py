@@ -30,9 +30,10 @@ VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overl
             "overlap")
 OVERLAPPED = ("overlapped", "overlap")  # with the overlapped optimizer
 AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
-OVERLAP_WARMUP = 84  # the overlapped optimizer plans after ~10 steps (4 of them held), then times
+OVERLAP_WARMUP = 84  # the overlapped optimizer plans after ~12 steps (6 of them held), then times
 # 2 rounds x 4 x 5 steps (its three best schedules and the step barrier) and a run-off of
-# 2 x 3 x 5 steps
+# 2 x 3 x 5 steps; then more steps, if its tuner has not decided yet (settle_schedule)
+SETTLE_MAX = 100  # at most this many more
 
 
 class Plain:
@@ -87,6 +88,21 @@ def optimizer(variant, model, hold_back=0, schedule="auto"):
         return model.overlap_optimizer(opt)
     return model.overlap_optimizer(opt, hold_back=hold_back,
                                    schedule="fifo" if hold_back else schedule)
+
+
+def settle_schedule(variant, model, spec, opt, batches) -> int:
+    """Steps an overlapped variant on until its schedule tuner has decided (the same step on
+    every rank: its decisions are collective), so that no trial is timed as the variant;
+    returns the extra steps. Raises RuntimeError past SETTLE_MAX."""
+    tuner = getattr(opt, "tuner", None)
+    extra = 0
+    while tuner is not None and not tuner.decided:
+        if extra == SETTLE_MAX:
+            raise RuntimeError(f"{variant}: the schedule tuner had not decided after "
+                               f"{OVERLAP_WARMUP + SETTLE_MAX} warm-up steps")
+        step(model, spec, opt, batches())
+        extra += 1
+    return extra
 
 
 def finish(model):
@@ -246,6 +262,10 @@ def main():
                       "overlap": AUTO_WARMUP + OVERLAP_WARMUP}
             for _ in range(warmup.get(v, args.warmup)):
                 step(built[v], spec, opts[v], spec.batch(gens[v], batch_size))
+            extra = settle_schedule(v, built[v], spec, opts[v],
+                                    lambda: spec.batch(gens[v], batch_size))  # noqa: B023
+            if extra:
+                log(f"{v}: {extra} more warm-up steps until its schedule was chosen")
         def timed_step(v):
             if args.loop_steps:
                 return timed_block(v)

@@ -46,7 +46,9 @@ logger = logging.getLogger("pyreducer.overlap")
 
 WARMUP_ITERATIONS = 4  # synced iterations recorded with a plan before its schedule is made
 PROFILE_ITERATIONS = 3  # of which the profile takes the medians
-HELD_ITERATIONS = 3  # then timed with every all-reduce held to the backward's end (_hold)
+HELD_ITERATIONS = 5  # then timed with every all-reduce held to the backward's end (_hold); 5,
+# not 3: in run 13 of benchmarks/results/overlap_runoff_20261125.md two of vgg's three held
+# backwards were slow (196 and 162 ms against 121), and the model planned on 162
 TRIALS = 3  # candidates measured, the model's best first
 TRIAL_ITERATIONS = 4  # steps timed per candidate and round (after one to let it take over)
 ROUNDS = 2  # rounds over the candidates, every other one in reverse order (drift cancels)
@@ -129,6 +131,16 @@ class ScheduleTuner:
     @property
     def reducer(self):
         return self.tuning.reducer
+
+    @property
+    def decided(self) -> bool:
+        """Whether the schedule of the bucket plan in force is installed for good (planned and
+        its trials over, or planning failed and torch DDP's order stays), the same on every
+        rank; True with one rank (nothing to plan)."""
+        if self.tuning.params.world_size < 2:
+            return True
+        return (self.autotune is None or self.autotune.done) and self.trial is None \
+            and not self.held_left and self.planned_for == self.reducer.plan_version()
 
     def before_synced_forward(self) -> None:
         """Called at the start of every synced forward, before the module runs."""
@@ -365,7 +377,8 @@ class ScheduleTuner:
         (contention.py), for the log."""
         params = self.tuning.params
         version = self.reducer.plan_version()
-        records = timeline_module.records(params, self.reducer, PROFILE_ITERATIONS + 1,
+        records = timeline_module.records(params, self.reducer,
+                                          max(PROFILE_ITERATIONS, HELD_ITERATIONS) + 1,
                                           overlap=self.events)
         records = [r for r in records if r["plan_version"] == version]
         held = []

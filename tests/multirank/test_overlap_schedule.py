@@ -181,11 +181,15 @@ def trials_worker(rank, world_size):
             overlap_control.TRIALS + 1) + 2 * overlap_control.RUNOFF_WINDOWS) * (
             overlap_control.TRIAL_ITERATIONS + 1) + 3
         gen = torch.Generator().manual_seed(rank)
+        decided = []
         for step in range(steps):
             if name == "ours" and step % 3 == 0:  # a forward whose backward never comes: the
                 model(torch.randn(2, WIDTH))       # next install must still be allowed
             _train(model, opt, gen, steps=1)
+            if name == "ours":
+                decided.append(opt.tuner.decided)
         if name == "ours":
+            out["decided"] = decided
             model.synchronize()
             out["log"] = opt.schedule_log
             out["set"] = (model.reducer.launch_order(), model.reducer.launch_chunks())
@@ -225,6 +229,9 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
         assert planned["profile"]["backward_ms"] == measured["backward_ms"]
         assert "barrier" in r["log"][trials]["describe"]  # the last candidate
         chosen = r["log"][-1]
+        # decided (what the benchmark waits for) once, from the step that chose, for good
+        first = r["decided"].index(True)  # (raises if never)
+        assert 0 < first < len(r["decided"]) - 1 and all(r["decided"][first:]), r["decided"]
         assert r["set"] == (chosen["order"], chosen["chunks"])
         assert r["barrier_now"] == chosen["barrier"]
         # barrier: the backward completes everything; overlapped: the last buckets stay in flight
@@ -273,6 +280,10 @@ def failed_plan_worker(rank, world_size):
         raise RuntimeError("planning failed on purpose")
 
     overlap_control.schedule_model.best_schedule = broken  # only rank 0 plans
+    measured = []  # and the contention measured in place before it, on rank 0
+    measure = overlap_control.contention.measure_in_place
+    overlap_control.contention.measure_in_place = lambda *a: measured.append(measure(*a)) or \
+        measured[-1]
     torch.manual_seed(0)
     model = DistributedDataParallel(_model(), bucket_cap_mb=CAP_MB)
     opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
@@ -285,14 +296,20 @@ def failed_plan_worker(rank, world_size):
             held = model.reducer.launch_order()
     model.synchronize()
     return dict(held=held, order=model.reducer.launch_order(), count=count,
-                log=opt.schedule_log, tried=opt.tuner.planned_for is not None)
+                log=opt.schedule_log, tried=opt.tuner.planned_for is not None,
+                decided=opt.tuner.decided,
+                held_records=[m["held_records"] for m in measured if m is not None])
 
 
 def test_a_failed_plan_after_the_held_iterations_restores_the_profiled_order(ranks_once):
-    for r in ranks_once(failed_plan_worker, 2, ()):
+    results = ranks_once(failed_plan_worker, 2, ())
+    for r in results:
         assert r["held"] is not None and r["held"][0] == r["count"] - 1  # the held phase ran
         assert r["tried"] and r["log"] == []  # planned once, nothing installed
+        assert r["decided"]  # torch DDP's order stays: nothing more to wait for
         assert r["order"] == list(range(r["count"]))
+    # rank 0 profiled every held iteration whose next forward ran (all of them but the last)
+    assert results[0]["held_records"] == [overlap_control_held()]
 
 
 def overlap_control_held():

@@ -313,6 +313,7 @@ void bind_reducer(py::module_& m) {
       .def("complete_bucket", &Reducer::complete_bucket, py::arg("bucket"), RELEASE)
       .def("complete_all", &Reducer::complete_all, RELEASE)
       .def("pending_buckets", &Reducer::pending_buckets, RELEASE)
+      .def("used_map_pending", &Reducer::used_map_pending, RELEASE)
       .def("set_launch_order", &Reducer::set_launch_order, py::arg("order"),
            py::arg("chunks") = std::vector<int64_t>{}, RELEASE)
       .def("launch_order", &Reducer::launch_order, RELEASE)

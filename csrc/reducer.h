@@ -210,6 +210,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Buckets whose reduction is launched and not completed yet (deferred completion only).
   std::vector<int64_t> pending_buckets() const;
 
+  // Whether the deferred iteration's all-reduce of the used-parameter map is launched and not
+  // waited for yet: complete_bucket waits for it only for a bucket that holds a parameter unused
+  // on this rank, and the last completion waits for it (Note [Unused parameters]).
+  bool used_map_pending() const;
+
   // See Note [Launch order]: `chunks[b]` (empty: 1 each) all-reduces for bucket b, launched in
   // `order`, where bucket b appears chunks[b] times; the same on every rank. A new plan resets
   // both to index order, one chunk each. Python thread, between iterations (or after a forward
@@ -366,6 +371,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   size_t num_awaiting_ = 0;
   WorkPtr deferred_used_map_work_;  // the used-map all-reduce of the deferred iteration
   bool deferred_need_used_map_ = false;
+  std::vector<uint8_t> bucket_needs_used_map_;  // per bucket: holds a parameter unused here
 
   // Failures of collectives in backward (see set_failure_context).
   std::function<std::string(const std::string&)> failure_context_;

@@ -257,10 +257,22 @@ void Reducer::defer_reductions() {
     awaiting_[b] = 1;
     num_awaiting_ += 1;
   }
-  // As wait_and_copy_out: the map is needed only if some parameter was unused on this rank.
+  // As wait_and_copy_out: the map is needed only if some parameter was unused on this rank, and
+  // then only by the buckets holding one. A parameter used here is used globally: its gradient is
+  // written back whatever the map says. So a bucket of parameters all used here is completed
+  // without waiting for the map, which is launched after the last bucket (else the next
+  // forward's first read would wait for the whole communication).
   deferred_need_used_map_ = used_map_work_ && !all_locally_used();
-  if (used_map_work_ && !deferred_need_used_map_) {
-    std::fill(globally_unused_.begin(), globally_unused_.end(), 0);
+  bucket_needs_used_map_.assign(set_.buckets.size(), 0);
+  if (used_map_work_) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (locally_used_[i]) globally_unused_[i] = 0;
+    }
+    for (size_t b = 0; b < set_.buckets.size(); ++b) {
+      for (int64_t index : set_.buckets[b].param_indices) {
+        if (!locally_used_[index]) bucket_needs_used_map_[b] = 1;
+      }
+    }
   }
   deferred_used_map_work_ = std::move(used_map_work_);
 }
@@ -278,7 +290,9 @@ void Reducer::resolve_used_map() {
 void Reducer::complete_locked(size_t b) {
   if (b >= awaiting_.size() || !awaiting_[b]) return;
   Bucket& bucket = set_.buckets[b];
-  if (deferred_need_used_map_) resolve_used_map();  // which gradients to write back
+  if (deferred_need_used_map_ && bucket_needs_used_map_[b]) {
+    resolve_used_map();  // which of its gradients to write back
+  }
   wait_bucket(b);
   copy_out_bucket(b);
   awaiting_[b] = 0;
@@ -304,6 +318,11 @@ void Reducer::complete_bucket(size_t b) {
 void Reducer::complete_all() {
   std::lock_guard<std::mutex> lock(mutex_);
   noting_errors([&] { complete_all_locked(); });
+}
+
+bool Reducer::used_map_pending() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<bool>(deferred_used_map_work_);
 }
 
 std::vector<int64_t> Reducer::pending_buckets() const {
@@ -432,6 +451,15 @@ void Reducer::apply_plan(const std::vector<std::vector<int64_t>>& plan) {
 
 void Reducer::install_plan(const std::vector<std::vector<int64_t>>& plan) {
   complete_all_locked();  // See Note [Deferred completion]
+  // The old buffers go back to the caching allocator under the stream they were allocated on;
+  // their last reductions were waited for on the current stream only (an NCCL wait orders that
+  // one). Recorded on it, their memory is not handed to another stream's next allocation before
+  // the current stream is past those reductions. (Compiled, not run: no GPU here.)
+  for (Bucket& bucket : set_.buckets) {
+    if (!bucket.flat.defined() || bucket.flat.device().is_cpu()) continue;
+    const c10::Device device = bucket.flat.device();
+    bucket.flat.record_stream(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  }
   set_ = make_buckets(params_, param_names_, plan, sparse_);  // validates before anything changes
   launch_order_.resize(set_.buckets.size());
   std::iota(launch_order_.begin(), launch_order_.end(), 0);  // See Note [Launch order]

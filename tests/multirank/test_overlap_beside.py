@@ -1,0 +1,63 @@
+"""Collectives beside the reductions an overlapped optimizer leaves in flight into the next
+forward (Note [Deferred completion] in csrc/reducer.h): a bucket whose parameters were all used
+on this rank is completed without waiting for the used-parameter map (Note [Unused
+parameters]); the results stay torch DDP's bit for bit."""
+import copy
+
+import torch
+from torch import nn
+
+
+class SometimesExtra(nn.Module):
+    """`extra` is used on rank 1 every step, on rank 0 every other step (find_unused_parameters):
+    its buckets need the used-parameter map, the first layer's do not (at a cap of 100 bytes
+    every tensor but the last layer's has a bucket of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.extra, self.last = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 2)
+
+    def forward(self, x, use_extra: bool):
+        h = torch.tanh(self.first(x))
+        return self.last(self.extra(h) if use_extra else h)
+
+
+def used_map_worker(rank, world_size):
+    """Whether the used map was still pending once the next forward's first layer had read its
+    (completed, updated) parameters, per forward; and the end state against torch DDP's."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(0)
+    base, out = SometimesExtra(), {}
+    for name, cls in (("torch", TorchDDP), ("ours", DistributedDataParallel)):
+        model = cls(copy.deepcopy(base), find_unused_parameters=True, bucket_cap_mb=0.0001)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+        seen = []
+        if name == "ours":
+            opt = model.overlap_optimizer(opt, schedule="fifo")
+            model.module.first.register_forward_hook(
+                lambda *_: seen.append(model.reducer.used_map_pending()))
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(6):
+            x = torch.randn(4, 64, generator=gen)
+            model(x, use_extra=rank == 1 or step % 2 == 0).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if name == "ours":
+            model.synchronize()
+            out["seen"] = seen
+        out[name] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_a_bucket_used_here_does_not_wait_for_the_used_map(ranks_once):
+    """Note [Unused parameters], csrc/reducer_buckets.cpp defer_reductions: the used map's
+    all-reduce goes after the last bucket; only a bucket holding a parameter unused on this rank
+    needs it, so the first layer's update does not wait for all the communication."""
+    results = ranks_once(used_map_worker, 2, ())
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["ours"], r["torch"]))
+    # rank 0 after a backward without `extra` (steps 1, 3, 5): the map still pending
+    assert results[0]["seen"][2::2] == [True, True], results[0]["seen"]

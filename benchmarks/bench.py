@@ -172,10 +172,24 @@ def draw_overlap_gantts(result, path) -> None:
             print("wrote", plot.overlap_gantt(entry[f"{variant}_timeline"], out), flush=True)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or platform.processor() where that is absent:
+    machines of one kind differ (vgg's compute-only step: 190 ms on one, 270-290 on another)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def environment(args):
     import torch
     return dict(torch=torch.__version__, python=platform.python_version(),
-                cores=os.cpu_count(), machine=platform.machine(), backend="gloo",
+                cores=os.cpu_count(), machine=platform.machine(), cpu=cpu_model(),
+                backend="gloo",
                 emulation="network namespaces + bridge, tc tbf per host NIC (no latency model)",
                 threads_per_rank=1, date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 steps=args.steps, rounds=args.rounds, warmup=args.warmup,

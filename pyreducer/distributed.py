@@ -23,7 +23,7 @@ from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.ddp_logging import DDPLogger
 from pyreducer.delayed import DelayedAllReduce
-from pyreducer.overlap import OverlapOptimizer
+from pyreducer.overlap import OverlapOptimizer, refuse_overlap_with
 from pyreducer.join import (ReducerJoinHook, find_common_rank, refuse_unjoinable,
                             vote_backward_sync)
 from pyreducer.params import ReducedParams, reduced_parameters
@@ -66,6 +66,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     bucket_cap_mb="auto" (or a pyreducer.tuning.AutotuneConfig) turns on online autotune
     (pyreducer/tuning/autotune.py).
     """
+
+    _buffer_group = None  # overlap_optimizer(): Note [Buffers beside deferred reductions]
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
                  init_sync=True, process_group=None, bucket_cap_mb=None,
@@ -329,7 +331,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not self._params.buffers():
             return
         src = find_common_rank(self._params, True) if self._join_config.enable else 0
-        sync.sync_buffers(self._params, src)
+        sync.sync_buffers(self._params, src, group=self._buffer_group)
 
     # -- inspection ------------------------------------------------------------------------------
     def bucket_plan(self) -> list[dict]:
@@ -441,13 +443,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         (max_grad_norm, schedule, hold_back): see OverlapOptimizer."""
         if self._overlap is not None:
             raise RuntimeError("pyreducer: this wrapper already has an overlapped optimizer")
-        if self._join_config.enable:
-            raise ValueError("pyreducer: overlap_optimizer cannot be created inside join()")
-        if self._reducer_settings["check_finite"]:
-            raise ValueError("pyreducer: check_finite=True cannot be combined with "
-                             "overlap_optimizer yet (updates run as buckets complete)")
+        refuse_overlap_with(join=self._join_config.enable,
+                            check_finite=self._reducer_settings["check_finite"])
         self._overlap = OverlapOptimizer(optimizer, self.reducer, self._params, self.module,
                                          tuning=self._tuning, autotune=self._autotune, **options)
+        if self._params.buffers() and self._params.world_size > 1:
+            self._buffer_group = sync.side_group(self._params.process_group, self._params.device)
         return self._overlap
 
     def synchronize(self) -> None:

@@ -111,6 +111,29 @@ class _InertHook:
         return None
 
 
+# Note [Buffers beside deferred reductions]
+# torch DDP broadcasts rank 0's buffers (BatchNorm's running statistics) at the start of every
+# forward (broadcast_buffers=True). With an overlapped optimizer the previous backward's
+# reductions are still in flight then, and on the wrapper's process group the broadcast would
+# queue behind them: Gloo runs a group's collectives from one FIFO (ProcessGroupGloo's worker
+# threads take its work in order), NCCL one communicator's on one stream, in order. The forward
+# would wait for the whole previous step's communication before its first layer, and every model
+# with buffers would lose the overlap. So overlap_optimizer() gives the wrapper a second group
+# over the same ranks (sync.side_group) where the module has buffers, and the broadcast goes
+# there: the same values, from the same rank, at the same point of the program as torch DDP's,
+# beside the reductions (tests/multirank/test_overlap.py: the group each broadcast used; the
+# buffers bit for bit against torch DDP's on the cnn cases).
+
+
+def refuse_overlap_with(join: bool, check_finite: bool) -> None:
+    """What the wrapper cannot combine with an overlapped optimizer, refused by name."""
+    if join:
+        raise ValueError("pyreducer: overlap_optimizer cannot be created inside join()")
+    if check_finite:
+        raise ValueError("pyreducer: check_finite=True cannot be combined with "
+                         "overlap_optimizer yet (updates run as buckets complete)")
+
+
 def _check_arguments(optimizer, module, hold_back: int, schedule) -> bool:
     """overlap_optimizer's arguments, each refusal naming what it found; returns whether
     `schedule` is a chunk size in MB."""

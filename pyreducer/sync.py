@@ -131,15 +131,40 @@ def verify_same_plan(plan: list[list[int]] | None, group, device,
                              f"{rank} has {len(theirs)}); every rank must replay the same plan.")
 
 
-def sync_buffers(params, src: int) -> None:
+def sync_buffers(params, src: int, group=None) -> None:
     """Overwrites the module's synced buffers with rank `src`'s (collective; params is a
-    ReducedParams). Autograd version counters are kept: a forward that saved a buffer for
-    backward may still run backward after the next forward's sync, as in torch DDP."""
+    ReducedParams) over `group` (default: the params' process group; src is a rank in it).
+    Autograd version counters are kept: a forward that saved a buffer for backward may still
+    run backward after the next forward's sync, as in torch DDP."""
     buffers = params.buffers()
     if not buffers:
         return
     with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-        broadcast_coalesced(buffers, params.process_group, src=src)
+        broadcast_coalesced(buffers, params.process_group if group is None else group, src=src)
+
+
+_SIDE_GROUPS: dict[int, tuple] = {}  # id(group) -> (group, its side group), per process
+
+
+def side_group(group, device: torch.device):
+    """A second process group over the ranks of `group` (None: the default group), with its
+    backend, timeout and rank order (its rank k is `group`'s rank k): for collectives that must
+    not queue behind the reductions left in flight on `group` (Note [Buffers beside deferred
+    reductions] in pyreducer/overlap.py). One per group and process, made by the first caller
+    (collective over `group`'s members only: use_local_synchronization), shared by the next."""
+    group = dist.group.WORLD if group is None else group
+    cached = _SIDE_GROUPS.get(id(group))
+    if cached is not None and cached[0] is group:  # (the entry holds `group`: its id stays)
+        return cached[1]
+    try:
+        timeout = group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # not exposed by this backend: torch's default
+        timeout = None
+    side = dist.new_group(ranks=dist.get_process_group_ranks(group), timeout=timeout,
+                          backend=dist.get_backend(group), use_local_synchronization=True,
+                          sort_ranks=False)
+    _SIDE_GROUPS[id(group)] = (group, side)
+    return side
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], group, src: int = 0,

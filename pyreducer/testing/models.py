@@ -105,13 +105,15 @@ class VGGLike(nn.Module):
     fully connected head (most of the parameters, little compute): the shape where the next
     forward's first reads are small buckets and crossing the step barrier pays."""
 
-    def __init__(self, widths=(64, 128, 256), hidden: int = 1024, classes: int = 10):
+    def __init__(self, widths=(64, 128, 256), hidden: int = 1024, classes: int = 10,
+                 batch_norm: bool = False):
         super().__init__()
         layers: list[nn.Module] = []
         channels = 3
         for stage, width in enumerate(widths):
             for _ in range(2 if stage < len(widths) - 1 else 1):
-                layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU()]
+                layers += [nn.Conv2d(channels, width, 3, padding=1)]
+                layers += [nn.BatchNorm2d(width), nn.ReLU()] if batch_norm else [nn.ReLU()]
                 channels = width
             layers.append(nn.MaxPool2d(2))
         self.features = nn.Sequential(*layers)
@@ -226,10 +228,13 @@ SPECS: dict[str, Spec] = {
     "transformer": Spec(TinyTransformer, _tokens_lm, _ce),
     "resnet": Spec(ResidualCNN, _images32, _ce),
     "vgg": Spec(VGGLike, _images32, _ce),
+    # with BatchNorm: buffers broadcast every forward (Note [Buffers beside deferred reductions])
+    "vgg_bn": Spec(lambda: VGGLike(batch_norm=True), _images32, _ce),
 }
 
 # Batch sizes for the emulated-network benchmarks: one step takes 50-500 ms on one core.
-BENCH_BATCH = {"mlp_large": 128, "deep_narrow": 512, "transformer": 8, "resnet": 32, "vgg": 24}
+BENCH_BATCH = {"mlp_large": 128, "deep_narrow": 512, "transformer": 8, "resnet": 32, "vgg": 24,
+               "vgg_bn": 24}
 
 
 def spec(name: str) -> Spec:

@@ -36,7 +36,7 @@ def test_units_are_named():
     text = {c: p.format_help() for c, p in _subcommands().items()}
     assert "SECONDS" in text["trace"] and "SECONDS" in text["netem"] and "MIB" in text["trace"]
     assert "bits per second" in text["netem"] and "bits per second" in text["simulate"]
-    assert "{cnn,deep_narrow,demo,mlp,mlp_large,resnet,tied,transformer,vgg}" in text["trace"]
+    assert "{cnn,deep_narrow,demo,mlp,mlp_large,resnet,tied,transformer,vgg,vgg_bn}" in text["trace"]
 
 
 def _cli(args, cwd):

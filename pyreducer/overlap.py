@@ -34,57 +34,12 @@ import collections
 import weakref
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from pyreducer._ext import _C
+from pyreducer.pending import pending_class
 from pyreducer.tuning.overlap_control import ScheduleTuner
 
 HISTORY = 16  # iterations whose overlap events are kept (the timeline keeps 8 by default)
-
-
-_PENDING_CLASSES: dict[type, type] = {}  # a parameter class -> its pending subclass
-
-
-def _pending_class(cls: type) -> type:
-    """The subclass of parameter class `cls` that pending parameters wear (see the Note)."""
-    if cls not in _PENDING_CLASSES:
-        _PENDING_CLASSES[cls] = type(f"Pending{cls.__name__}", (cls,),
-                                     {"__torch_function__": classmethod(_pending_torch_function),
-                                      "__deepcopy__": _pending_deepcopy,
-                                      "_pyreducer_pending": True,
-                                      "__module__": __name__})
-    return _PENDING_CLASSES[cls]
-
-
-def _pending_torch_function(cls, func, types, args=(), kwargs=None):
-    """Updates the pending parameters among the arguments, then runs `func` on them."""
-    kwargs = kwargs or {}
-    for value in _tensors_in(args, kwargs):
-        overlap = getattr(value, "_pyreducer_overlap", None)
-        if overlap is not None:
-            overlap.update_parameter(value)
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
-def _tensors_in(args, kwargs):
-    """Every tensor in `args` and `kwargs`, at any depth of lists, tuples and dicts (a library
-    function may pass its tensors to handle_torch_function inside a dict)."""
-    for value in tree_leaves((args, kwargs)):
-        if isinstance(value, torch.Tensor):
-            yield value
-
-
-def _pending_deepcopy(self, memo):
-    """copy.deepcopy: the updated value, in a parameter of the class it had (Parameter's own
-    __deepcopy__ takes type(self) before the read of self.data that updates it). Inside an
-    update, where reads pass through, the parameter is still pending: copied as it is."""
-    overlap = getattr(self, "_pyreducer_overlap", None)
-    if overlap is not None:
-        overlap.update_parameter(self)
-    cls = type(self)
-    return (cls.__mro__[1] if cls.__dict__.get("_pyreducer_pending") else cls).__deepcopy__(
-        self, memo)
 
 
 class _ModuleHook:
@@ -212,6 +167,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # step() was called: self.stepped) their update too.
         self.pending: dict[int, list[torch.Tensor]] = {}
         self.bucket_of: dict[int, int] = {}  # id(pending parameter) -> its bucket
+        self.fenced: dict[int, tuple] = {}  # CUDA: id(parameter) -> (stream, event) of its
+        # bucket's update, which its first read on another stream waits for (Note [Streams])
         self.stepped = False
         self.clip_due = False
         self.early: list[torch.Tensor] = []  # reduced by a read before step(): stepped at step()
@@ -329,7 +286,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             for p in group:
                 self.bucket_of[id(p)] = b
                 p._pyreducer_overlap = self
-                p.__class__ = _pending_class(type(p))
+                p.__class__ = pending_class(type(p))
         self.stepped, self.early = False, []
         self.current = dict(iteration=self.reducer.num_iterations, forward_start_ns=0,
                             forward_end_ns=0, updates=[])
@@ -351,6 +308,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         """Completes every pending update and every reduction still in flight."""
         self._update_all()
         self.reducer.complete_all()
+        if self.fenced:  # CUDA only: Note [Streams]
+            for p in [p for p in self.params.tensors if id(p) in self.fenced]:
+                self._pass_fence(p)
 
     def _set_barrier(self, barrier: bool) -> None:
         """Between iterations: torch DDP's step barrier (every reduction completes at the
@@ -364,16 +324,51 @@ class OverlapOptimizer(torch.optim.Optimizer):
         """A read of `param` is coming: its bucket is reduced (and updated if step() was
         called) first."""
         if not self.busy:
+            if id(param) in self.fenced:
+                self._pass_fence(param)
+                return
             b = self.bucket_of.get(id(param))
             if b is not None:
-                self._update(b)
+                self._update(b, reading=param)
 
     def _update_all(self) -> None:
         for b in sorted(self.pending):
             self._update(b)
 
+    # Note [Streams]
+    # On CUDA a bucket is completed (the current stream waits for its reduction), written back
+    # and stepped on the stream current at its first read. torch DDP's step() runs on the stream
+    # current at step(), before the forward, so a forward that forks a side stream after
+    # side.wait_stream(current) reads updated parameters on either stream. Here a bucket may be
+    # first read, so updated, on the side stream while another of its parameters is then read on
+    # the main one, which never waited for the side (or the other way round). So after an update
+    # on CUDA during the forward, the bucket's other parameters wear the pending class again
+    # (fenced), and each one's first read waits for an event recorded after the update, on the
+    # stream that reads it; a forward's end and synchronize() pass every fence on the current
+    # stream. Compiled, not run: no GPU here (tests/gpu: the two-stream forward against torch
+    # DDP). On CPU nothing is fenced.
+
+    def _fence(self, group: list, reading: torch.Tensor) -> None:
+        """After bucket `group`'s update on CUDA, read now through `reading` (Note [Streams])."""
+        stream = torch.cuda.current_stream(reading.device)
+        event = torch.cuda.Event()
+        event.record(stream)
+        for p in group:
+            if p is not reading:
+                self.fenced[id(p)] = (stream, event)
+                p._pyreducer_overlap = self
+                p.__class__ = pending_class(type(p))
+
+    def _pass_fence(self, param: torch.Tensor) -> None:
+        stream, event = self.fenced.pop(id(param))
+        param.__class__ = type(param).__mro__[1]  # the class it had
+        del param._pyreducer_overlap
+        current = torch.cuda.current_stream(param.device)
+        if current != stream:
+            current.wait_event(event)
+
     @torch.no_grad()
-    def _update(self, b: int) -> None:
+    def _update(self, b: int, reading: torch.Tensor | None = None) -> None:
         """Bucket b: its reduction completed; after step(), its parameters stepped with the
         optimizer's own math (param_groups cut down to them, step()'s settings) and their
         gradients zeroed as zero_grad() asked."""
@@ -403,9 +398,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if self.zero_mode is not None:
             for p in group:
                 if self.zero_mode:
+                    if p.grad is not None and p.grad.is_cuda:  # freed while this stream (maybe
+                        # not the one it was made on) may still read it: Note [Streams]
+                        p.grad.record_stream(torch.cuda.current_stream(p.device))
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.zero_()
+        if reading is not None and reading.is_cuda and self.in_forward and len(group) > 1:
+            self._fence(group, reading)
         if not self.pending:
             self.zero_mode, self.stepped = None, False
 

@@ -35,12 +35,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-import time
 
 from pyreducer import sync
 from pyreducer import timeline as timeline_module
 from pyreducer.tuning import contention
 from pyreducer.tuning import schedule as schedule_model
+from pyreducer.tuning import stepclock
 
 logger = logging.getLogger("pyreducer.overlap")
 
@@ -70,6 +70,8 @@ MARGIN = 0.02  # an overlapped schedule is kept only if it measured this much fa
 # trial time in quiet runs, up to 23% in noisy ones; the barrier's mostly within 3%). Fresh
 # windows of the winner against the barrier carry no such selection: the rounds keep the
 # barrier outright where no overlap beat it by MARGIN, and otherwise pick which overlap runs off.
+# Windows are timed where the steps run (stepclock.py): host time on CPU, CUDA events on the
+# current stream on GPU, where the host runs ahead of the device.
 
 
 def slowest_windows(per_rank: list[list[float]]) -> list[float]:
@@ -118,9 +120,9 @@ class ScheduleTuner:
         self.trial: int | None = None  # the one being measured
         self.round = 0
         self.runoff: tuple[int, int] | None = None  # (overlapped winner, barrier) running off
-        self.samples: list[list[float]] = []  # per candidate, this rank's mean step (s) per window
-        self.pending_samples: list[float] = []  # the step intervals of the window being timed
-        self.last_forward = None
+        self.clock = stepclock.for_device(tuning.params.device)
+        self.samples: list[list[tuple]] = []  # per candidate, this rank's windows: (start, end)
+        self.marks: list = []  # the clock's marks of the window being timed
         self.log: list[dict] = []
         self.held_left = 0      # synced forwards left in the held phase (_hold)
         self.held_for = None    # the plan version it holds for ...
@@ -253,17 +255,16 @@ class ScheduleTuner:
         follows a backward launched under the previous schedule)."""
         self.trial = self.trials.pop(0)
         self._install(self.candidates[self.trial], "trial")
-        self.pending_samples, self.last_forward = [], time.perf_counter()
+        self.marks = [self.clock.mark()]
 
     def _measure(self) -> None:
-        now = time.perf_counter()
-        if self.last_forward is not None:
-            self.pending_samples.append(now - self.last_forward)
-        self.last_forward = now
-        if len(self.pending_samples) < TRIAL_ITERATIONS + 1:
+        """At a synced forward during the trials: marks it; after 1 + TRIAL_ITERATIONS steps,
+        keeps the window (its marks, read at the gather: stepclock.py) and goes on."""
+        self.marks.append(self.clock.mark())
+        if len(self.marks) < TRIAL_ITERATIONS + 2:
             return
-        self.samples[self.trial].append(statistics.fmean(self.pending_samples[1:]))
-        self.trial = None
+        self.samples[self.trial].append((self.marks[1], self.marks[-1]))
+        self.trial, self.marks = None, []
         if not self.trials and self.runoff is None and self.round + 1 < ROUNDS:
             self.round += 1
             self.trials = list(range(len(self.candidates)))[::-1 if self.round % 2 else 1]
@@ -271,7 +272,9 @@ class ScheduleTuner:
             self._next_trial()
             return
         params = self.tuning.params
-        every = sync.all_gather_object(self.samples, params.process_group, params.device)
+        mine = [[self.clock.seconds(start, end) / TRIAL_ITERATIONS for start, end in windows]
+                for windows in self.samples]  # this rank's mean step per window
+        every = sync.all_gather_object(mine, params.process_group, params.device)
         windows = [slowest_windows([ranks[k] for ranks in every])
                    for k in range(len(self.candidates))]
         if self.runoff is None:

@@ -63,3 +63,26 @@ def test_autotune_decides(run):
     # so a link probe could not be fitted); the probe itself is checked with 2+ GPUs.
     log = run["autotune_log"]
     assert [e["event"] for e in log] == ["chosen"] and "one rank" in log[0]["reason"], log
+
+
+def test_the_tuners_step_clock_times_the_device_not_the_host():
+    """pyreducer/tuning/stepclock.py: between two marks the host only queues a ~100 ms kernel;
+    the CUDA clock reads the device's time (the host's would read well under it)."""
+    import time
+
+    from pyreducer.tuning import stepclock
+
+    clock = stepclock.for_device(torch.device("cuda", 0))
+    assert isinstance(clock, stepclock.CudaClock)
+    torch.cuda.synchronize()
+    calibrate = time.perf_counter()  # cycles per second of torch.cuda._sleep, host-timed
+    torch.cuda._sleep(10**8)
+    torch.cuda.synchronize()
+    cycles = int(10**8 / (time.perf_counter() - calibrate) * 0.1)  # about 0.1 s
+    host = time.perf_counter()
+    start = clock.mark()
+    torch.cuda._sleep(cycles)
+    end = clock.mark()
+    host = time.perf_counter() - host
+    device = clock.seconds(start, end)
+    assert host < 0.05 and 0.05 < device < 1.0, (host, device)

@@ -11,6 +11,7 @@ from gpu_workers import (allreduce_busbw_gbps, averaging_worker, big_bucket_work
                          check_finite_worker,
                          join_fp16_worker, mixed_precision_worker, no_set_device_worker,
                          overlap_worker, sparse_on_nccl_worker, strides_worker,
+                         two_stream_forward_worker,
                          two_streams_worker)
 from pyreducer.testing.parity import SCENARIOS, parity_worker
 
@@ -140,10 +141,13 @@ def test_predivide_and_reduce_dtype_on_cuda(world_size):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("schedule", ["fifo", 0.0625])
-def test_overlapped_optimizer_matches_torch_ddp(world_size, schedule):
-    """Deferred completion and chunked launches on NCCL: parameters after 10 Adam steps equal
-    torch DDP's, bit for bit (chunks at 3 ranks: NCCL may sum a chunk in another order, 1e-6)."""
-    for rank, result in enumerate(nccl_ranks(overlap_worker, world_size, (schedule,))):
+@pytest.mark.parametrize("variant", ["plain", "bn", "bucket_view", "stream"])
+def test_overlapped_optimizer_matches_torch_ddp(world_size, schedule, variant):
+    """Deferred completion and chunked launches on NCCL, with one rank lagging (its reductions
+    still run when the others queue their updates): parameters (and BatchNorm buffers) after 10
+    Adam steps equal torch DDP's, bit for bit (chunks at 3 ranks: NCCL may sum a chunk in
+    another order, 1e-6). Compiled, not run here: no GPU."""
+    for rank, result in enumerate(nccl_ranks(overlap_worker, world_size, (schedule, variant))):
         if schedule != "fifo":
             assert max(result["chunks"]) > 1, f"rank {rank}: the schedule was not chunked"
         for ours, theirs in zip(result["ours"], result["torch"]):
@@ -151,6 +155,15 @@ def test_overlapped_optimizer_matches_torch_ddp(world_size, schedule):
                 assert torch.equal(ours, theirs), f"rank {rank}"
             else:
                 torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+@needs_gpus(2)
+def test_a_bucket_updated_on_a_side_stream_is_waited_for_on_the_main_one():
+    """Note [Streams] in pyreducer/overlap.py. Compiled, not run here: no GPU."""
+    for rank, result in enumerate(nccl_ranks(two_stream_forward_worker, 2)):
+        assert result["buckets"] == 1, result["buckets"]
+        for ours, theirs in zip(result["ours"], result["torch"]):
+            assert torch.equal(ours, theirs), f"rank {rank}"
 
 
 @needs_gpus(2)

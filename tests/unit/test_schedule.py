@@ -257,10 +257,10 @@ def _run_trials(monkeypatch, step_ms, until=None):
     end of the trials or as soon as `until(tuner)` holds."""
     from types import SimpleNamespace
 
-    from pyreducer.tuning import overlap_control
+    from pyreducer.tuning import overlap_control, stepclock
 
     clock = [0.0]
-    monkeypatch.setattr(overlap_control.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(stepclock.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(overlap_control.sync, "all_gather_object",
                         lambda obj, group, device: [obj, [[w * 1.01 for w in c] for c in obj]])
     params = SimpleNamespace(rank=0, world_size=2, process_group=None, device="cpu")
@@ -330,3 +330,13 @@ def test_a_new_bucket_plan_during_the_run_off_ends_it(monkeypatch):
     assert barrier_calls == [False]
     assert [e["event"] for e in tuner.log] == ["measured"] * 3  # nothing chosen for plan 1
     assert tuner.since_change == 1  # warming up on the new plan
+
+
+def test_the_step_clock_on_cpu_is_the_host_clock(monkeypatch):
+    from pyreducer.tuning import stepclock
+
+    clock = stepclock.for_device("cpu")
+    assert isinstance(clock, stepclock.HostClock)
+    readings = iter([1.25, 1.75])
+    monkeypatch.setattr(stepclock.time, "perf_counter", lambda: next(readings))
+    assert clock.seconds(clock.mark(), clock.mark()) == 0.5

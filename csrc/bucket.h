@@ -43,6 +43,9 @@ struct Bucket {
   size_t chunks_launched = 0;          // this iteration's
   c10::intrusive_ptr<c10::ivalue::Future> future;  // in-flight hook result (with a hook)
   std::vector<c10::Stream> copy_streams;  // see Note [Streams of a bucket]
+  // Non-CPU: the streams made to wait for its reductions (Reducer::wait_bucket), on which the
+  // buffer must be recorded before it is freed (Reducer::install_plan).
+  std::vector<c10::Stream> wait_streams;
   // check_finite (see Note [Finite check]): 0-dim bool tensors, undefined when not computed.
   at::Tensor local_nonfinite;    // this rank's gradients held a NaN/Inf (or their sum overflowed)
   at::Tensor reduced_nonfinite;  // the reduced bucket's sum is not finite

@@ -301,6 +301,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void resolve_used_map();  // the used map of a deferred iteration, once: globally_unused_
   // See Note [Streams of a bucket].
   void note_copy_stream(Bucket& bucket);
+  void note_wait_stream(Bucket& bucket);  // the current stream, into bucket.wait_streams
   void wait_for_copy_streams(Bucket& bucket);
   // The device timeline while an iteration is being recorded, else null.
   DeviceTimeline* device_recording() const { return record_ ? device_timeline_.get() : nullptr; }

@@ -63,6 +63,16 @@ bool Reducer::rebuild_buckets() {
   return true;
 }
 
+void Reducer::note_wait_stream(Bucket& bucket) {
+  if (!bucket.flat.defined() || bucket.flat.device().is_cpu()) return;
+  const c10::Device device = bucket.flat.device();
+  const c10::Stream current = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+  if (std::find(bucket.wait_streams.begin(), bucket.wait_streams.end(), current) ==
+      bucket.wait_streams.end()) {
+    bucket.wait_streams.push_back(current);
+  }
+}
+
 void Reducer::note_copy_stream(Bucket& bucket) {
   const c10::Device device = bucket.flat.device();
   if (device.is_cpu()) return;  // CPU work is ordered by the hooks' own order
@@ -349,6 +359,7 @@ void Reducer::set_deferred_completion(bool deferred, std::function<void()> on_de
 void Reducer::wait_bucket(size_t b) {
   Bucket& bucket = set_.buckets[b];
   if (bucket.skipped) return;
+  note_wait_stream(bucket);
   if (!bucket.future) {
     for (size_t k = 0; k < bucket.works.size(); ++k) {
       wait_or_throw(bucket.works[k], group_,
@@ -452,13 +463,13 @@ void Reducer::apply_plan(const std::vector<std::vector<int64_t>>& plan) {
 void Reducer::install_plan(const std::vector<std::vector<int64_t>>& plan) {
   complete_all_locked();  // See Note [Deferred completion]
   // The old buffers go back to the caching allocator under the stream they were allocated on;
-  // their last reductions were waited for on the current stream only (an NCCL wait orders that
-  // one). Recorded on it, their memory is not handed to another stream's next allocation before
-  // the current stream is past those reductions. (Compiled, not run: no GPU here.)
+  // only the streams that waited for their reductions are ordered after them (an NCCL wait
+  // orders the current stream; under deferred completion, the stream of each bucket's first
+  // read). Recorded on those, their memory is not handed to another stream's allocation before
+  // those streams are past the reductions and the copy-outs. (Compiled, not run: no GPU here.)
   for (Bucket& bucket : set_.buckets) {
     if (!bucket.flat.defined() || bucket.flat.device().is_cpu()) continue;
-    const c10::Device device = bucket.flat.device();
-    bucket.flat.record_stream(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+    for (const c10::Stream& stream : bucket.wait_streams) bucket.flat.record_stream(stream);
   }
   set_ = make_buckets(params_, param_names_, plan, sparse_);  // validates before anything changes
   launch_order_.resize(set_.buckets.size());

@@ -74,10 +74,13 @@ class _InertHook:
 # threads take its work in order), NCCL one communicator's on one stream, in order. The forward
 # would wait for the whole previous step's communication before its first layer, and every model
 # with buffers would lose the overlap. So overlap_optimizer() gives the wrapper a second group
-# over the same ranks (sync.side_group) where the module has buffers, and the broadcast goes
+# over every rank (sync.side_group) where the module has buffers, and the broadcast goes
 # there: the same values, from the same rank, at the same point of the program as torch DDP's,
-# beside the reductions (tests/multirank/test_overlap.py: the group each broadcast used; the
-# buffers bit for bit against torch DDP's on the cnn cases).
+# beside the reductions (tests/multirank/test_overlap_beside.py: the group each broadcast used;
+# test_overlap.py: the buffers bit for bit against torch DDP's on the cnn cases). On NCCL the
+# two communicators' kernels then run at once; every rank issues them in the same order. A
+# wrapper over a subgroup keeps its own group, with a warning: a second one would have to be
+# made by every rank of the default group.
 
 
 def refuse_overlap_with(join: bool, check_finite: bool) -> None:
@@ -167,8 +170,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # step() was called: self.stepped) their update too.
         self.pending: dict[int, list[torch.Tensor]] = {}
         self.bucket_of: dict[int, int] = {}  # id(pending parameter) -> its bucket
-        self.fenced: dict[int, tuple] = {}  # CUDA: id(parameter) -> (stream, event) of its
-        # bucket's update, which its first read on another stream waits for (Note [Streams])
+        self.fenced: dict[int, tuple] = {}  # CUDA, in a forward: id(parameter) -> (the event
+        # after its bucket's update, the streams that waited for it) (Note [Streams])
         self.stepped = False
         self.clip_due = False
         self.early: list[torch.Tensor] = []  # reduced by a read before step(): stepped at step()
@@ -277,6 +280,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def _backward_ended(self) -> None:
         """The Reducer left reductions in flight (autograd thread, after the backward): their
         parameters wear the pending class until read, stepped or synchronized."""
+        self._pass_fences()  # left by a forward that raised (Note [Streams])
         if self.pending:  # a backward with updates still pending cannot happen (the Reducer
             return        # refuses gradients then); be safe against a re-entrant call
         tensors, layout = self.params.tensors, self.reducer.bucket_layout()
@@ -308,9 +312,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         """Completes every pending update and every reduction still in flight."""
         self._update_all()
         self.reducer.complete_all()
-        if self.fenced:  # CUDA only: Note [Streams]
-            for p in [p for p in self.params.tensors if id(p) in self.fenced]:
-                self._pass_fence(p)
+        self._pass_fences()
 
     def _set_barrier(self, barrier: bool) -> None:
         """Between iterations: torch DDP's step barrier (every reduction completes at the
@@ -325,8 +327,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         called) first."""
         if not self.busy:
             if id(param) in self.fenced:
-                self._pass_fence(param)
-                return
+                self._wait_fence(param)
             b = self.bucket_of.get(id(param))
             if b is not None:
                 self._update(b, reading=param)
@@ -337,35 +338,42 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
     # Note [Streams]
     # On CUDA a bucket is completed (the current stream waits for its reduction), written back
-    # and stepped on the stream current at its first read. torch DDP's step() runs on the stream
-    # current at step(), before the forward, so a forward that forks a side stream after
-    # side.wait_stream(current) reads updated parameters on either stream. Here a bucket may be
-    # first read, so updated, on the side stream while another of its parameters is then read on
-    # the main one, which never waited for the side (or the other way round). So after an update
-    # on CUDA during the forward, the bucket's other parameters wear the pending class again
-    # (fenced), and each one's first read waits for an event recorded after the update, on the
-    # stream that reads it; a forward's end and synchronize() pass every fence on the current
-    # stream. Compiled, not run: no GPU here (tests/gpu: the two-stream forward against torch
-    # DDP). On CPU nothing is fenced.
+    # and stepped on the stream current at its first read; torch DDP steps on the stream current
+    # at step(), before the forward, which its side streams then wait for. Here a bucket may be
+    # updated on a side stream and read on the main one, which never waited for the side (or
+    # the other way round). So after an update on CUDA in the forward, the bucket's parameters
+    # wear the pending class again (fenced) until the forward ends, and a read on a stream that
+    # has not waited yet for the event recorded after the update makes it wait. The forward's
+    # end, synchronize(), and the next forward or backward's end (after a forward that raised)
+    # pass every fence. Gradients freed after an update are recorded on the update's stream.
+    # Not fenced: a bucket completed by a read before step(). Compiled, not run: no GPU here
+    # (tests/gpu: a two-stream forward against torch DDP). On CPU nothing is fenced.
 
-    def _fence(self, group: list, reading: torch.Tensor) -> None:
-        """After bucket `group`'s update on CUDA, read now through `reading` (Note [Streams])."""
-        stream = torch.cuda.current_stream(reading.device)
+    def _fence(self, group: list, stream) -> None:
+        """After bucket `group`'s update on CUDA `stream` (Note [Streams])."""
         event = torch.cuda.Event()
         event.record(stream)
         for p in group:
-            if p is not reading:
-                self.fenced[id(p)] = (stream, event)
-                p._pyreducer_overlap = self
-                p.__class__ = pending_class(type(p))
+            self.fenced[id(p)] = (event, {stream})
+            p._pyreducer_overlap = self
+            p.__class__ = pending_class(type(p))
 
-    def _pass_fence(self, param: torch.Tensor) -> None:
-        stream, event = self.fenced.pop(id(param))
-        param.__class__ = type(param).__mro__[1]  # the class it had
-        del param._pyreducer_overlap
+    def _wait_fence(self, param: torch.Tensor) -> None:
+        event, waited = self.fenced[id(param)]
         current = torch.cuda.current_stream(param.device)
-        if current != stream:
+        if current not in waited:
             current.wait_event(event)
+            waited.add(current)
+
+    def _pass_fences(self) -> None:
+        """Every fenced parameter: its class back, the current stream waiting where it must."""
+        if not self.fenced:
+            return
+        for p in [p for p in self.params.tensors if id(p) in self.fenced]:
+            p.__class__ = type(p).__mro__[1]  # the class it had
+            del p._pyreducer_overlap
+            self._wait_fence(p)
+        self.fenced.clear()
 
     @torch.no_grad()
     def _update(self, b: int, reading: torch.Tensor | None = None) -> None:
@@ -404,8 +412,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.zero_()
-        if reading is not None and reading.is_cuda and self.in_forward and len(group) > 1:
-            self._fence(group, reading)
+        if reading is not None and reading.is_cuda and self.in_forward:
+            self._fence(group, torch.cuda.current_stream(reading.device))
         if not self.pending:
             self.zero_mode, self.stepped = None, False
 
@@ -447,7 +455,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         """Before the wrapper's module runs (after any rebuild): the launch order for the coming
         backward, the same on every rank (schedule="fifo": it depends on the bucket count alone;
         "auto": see ScheduleTuner)."""
-        self.running = []  # a forward that raised may have left names behind
+        self.running = []  # a forward that raised may have left names behind ...
+        self._pass_fences()  # ... and fences
         if self.tuner is not None:
             if synced:
                 self.tuner.before_synced_forward()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -147,23 +148,29 @@ _SIDE_GROUPS: dict[int, tuple] = {}  # id(group) -> (group, its side group), per
 
 
 def side_group(group, device: torch.device):
-    """A second process group over the ranks of `group` (None: the default group), with its
-    backend, timeout and rank order (its rank k is `group`'s rank k): for collectives that must
-    not queue behind the reductions left in flight on `group` (Note [Buffers beside deferred
-    reductions] in pyreducer/overlap.py). One per group and process, made by the first caller
-    (collective over `group`'s members only: use_local_synchronization), shared by the next."""
-    group = dist.group.WORLD if group is None else group
-    cached = _SIDE_GROUPS.get(id(group))
-    if cached is not None and cached[0] is group:  # (the entry holds `group`: its id stays)
+    """A second process group over every rank, with the default group's backend and timeout,
+    for collectives that must not queue behind the reductions left in flight on it (Note
+    [Buffers beside deferred reductions] in pyreducer/overlap.py); one per default group and
+    process, made by the first caller, shared by the next (collective: every rank of the default
+    group, in the same order, as torch.distributed.new_group requires). None where `group` is
+    a subgroup (the caller keeps it): its non-members would not call new_group, and
+    use_local_synchronization names the group from this process's own history of groups, which
+    may differ between ranks (a hang)."""
+    world = dist.group.WORLD
+    if group is not None and group is not world:
+        warnings.warn("pyreducer: overlap_optimizer on a process group other than the default "
+                      "one: the buffers' broadcast stays on it, behind the reductions in flight "
+                      "(Note [Buffers beside deferred reductions])", stacklevel=3)
+        return None
+    cached = _SIDE_GROUPS.get(id(world))
+    if cached is not None and cached[0] is world:  # (the entry holds it: its id stays)
         return cached[1]
     try:
-        timeout = group._get_backend(device).options._timeout
+        timeout = world._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):  # not exposed by this backend: torch's default
         timeout = None
-    side = dist.new_group(ranks=dist.get_process_group_ranks(group), timeout=timeout,
-                          backend=dist.get_backend(group), use_local_synchronization=True,
-                          sort_ranks=False)
-    _SIDE_GROUPS[id(group)] = (group, side)
+    side = dist.new_group(timeout=timeout, backend=dist.get_backend(world))
+    _SIDE_GROUPS[id(world)] = (world, side)
     return side
 
 

@@ -322,9 +322,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.reducer.set_deferred_completion(not barrier, self.on_deferred)
             self.barrier = barrier
 
+    @torch.compiler.disable  # bookkeeping, run eagerly: traced, a guard read a popped entry
     def update_parameter(self, param: torch.Tensor) -> None:
-        """A read of `param` is coming: its bucket is reduced (and updated if step() was
-        called) first."""
+        """A read of `param` is coming: its bucket is reduced (and updated if stepped) first."""
         if not self.busy:
             if id(param) in self.fenced:
                 self._wait_fence(param)

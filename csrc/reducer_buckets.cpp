@@ -63,24 +63,27 @@ bool Reducer::rebuild_buckets() {
   return true;
 }
 
+namespace {
+
+// Adds the current stream of `device` to `streams`, once.
+void add_current_stream(std::vector<c10::Stream>& streams, c10::Device device) {
+  const c10::Stream current = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+  if (std::find(streams.begin(), streams.end(), current) == streams.end()) {
+    streams.push_back(current);
+  }
+}
+
+}  // namespace
+
 void Reducer::note_wait_stream(Bucket& bucket) {
   if (!bucket.flat.defined() || bucket.flat.device().is_cpu()) return;
-  const c10::Device device = bucket.flat.device();
-  const c10::Stream current = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
-  if (std::find(bucket.wait_streams.begin(), bucket.wait_streams.end(), current) ==
-      bucket.wait_streams.end()) {
-    bucket.wait_streams.push_back(current);
-  }
+  add_current_stream(bucket.wait_streams, bucket.flat.device());
 }
 
 void Reducer::note_copy_stream(Bucket& bucket) {
   const c10::Device device = bucket.flat.device();
   if (device.is_cpu()) return;  // CPU work is ordered by the hooks' own order
-  const c10::Stream current = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
-  if (std::find(bucket.copy_streams.begin(), bucket.copy_streams.end(), current) ==
-      bucket.copy_streams.end()) {
-    bucket.copy_streams.push_back(current);
-  }
+  add_current_stream(bucket.copy_streams, device);
 }
 
 void Reducer::wait_for_copy_streams(Bucket& bucket) {
@@ -278,7 +281,7 @@ void Reducer::defer_reductions() {
     for (size_t i = 0; i < params_.size(); ++i) {
       if (locally_used_[i]) globally_unused_[i] = 0;
     }
-    for (size_t b = 0; b < set_.buckets.size(); ++b) {
+    for (size_t b = 0; deferred_need_used_map_ && b < set_.buckets.size(); ++b) {
       for (int64_t index : set_.buckets[b].param_indices) {
         if (!locally_used_[index]) bucket_needs_used_map_[b] = 1;
       }

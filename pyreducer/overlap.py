@@ -36,7 +36,7 @@ import weakref
 import torch
 
 from pyreducer._ext import _C
-from pyreducer.pending import pending_class
+from pyreducer import pending
 from pyreducer.tuning.overlap_control import ScheduleTuner
 
 HISTORY = 16  # iterations whose overlap events are kept (the timeline keeps 8 by default)
@@ -170,8 +170,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # step() was called: self.stepped) their update too.
         self.pending: dict[int, list[torch.Tensor]] = {}
         self.bucket_of: dict[int, int] = {}  # id(pending parameter) -> its bucket
-        self.fenced: dict[int, tuple] = {}  # CUDA, in a forward: id(parameter) -> (the event
-        # after its bucket's update, the streams that waited for it) (Note [Streams])
+        self.fenced: dict[int, tuple] = {}  # CUDA, in a forward: id(parameter) -> (it, the
+        # event after its bucket's update, the streams that waited for it) (Note [Streams])
         self.stepped = False
         self.clip_due = False
         self.early: list[torch.Tensor] = []  # reduced by a read before step(): stepped at step()
@@ -289,8 +289,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.pending[b] = group
             for p in group:
                 self.bucket_of[id(p)] = b
-                p._pyreducer_overlap = self
-                p.__class__ = pending_class(type(p))
+                pending.wear(p, self)
         self.stepped, self.early = False, []
         self.current = dict(iteration=self.reducer.num_iterations, forward_start_ns=0,
                             forward_end_ns=0, updates=[])
@@ -354,12 +353,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
         event = torch.cuda.Event()
         event.record(stream)
         for p in group:
-            self.fenced[id(p)] = (event, {stream})
-            p._pyreducer_overlap = self
-            p.__class__ = pending_class(type(p))
+            self.fenced[id(p)] = (p, event, {stream})
+            pending.wear(p, self)
 
     def _wait_fence(self, param: torch.Tensor) -> None:
-        event, waited = self.fenced[id(param)]
+        _, event, waited = self.fenced[id(param)]
         current = torch.cuda.current_stream(param.device)
         if current not in waited:
             current.wait_event(event)
@@ -369,9 +367,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         """Every fenced parameter: its class back, the current stream waiting where it must."""
         if not self.fenced:
             return
-        for p in [p for p in self.params.tensors if id(p) in self.fenced]:
-            p.__class__ = type(p).__mro__[1]  # the class it had
-            del p._pyreducer_overlap
+        for p, _, _ in self.fenced.values():
+            pending.take_off(p)
             self._wait_fence(p)
         self.fenced.clear()
 
@@ -387,8 +384,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.current["updates"].append(event)
         for p in group:
             del self.bucket_of[id(p)]
-            p.__class__ = type(p).__mro__[1]  # the class it had
-            del p._pyreducer_overlap
+            pending.take_off(p)
         self.busy = True
         try:
             if self.stepped and self.clip_due:

@@ -21,6 +21,18 @@ def pending_class(cls: type) -> type:
     return _PENDING_CLASSES[cls]
 
 
+def wear(param: torch.Tensor, overlap) -> None:
+    """`param` wears the pending class: its reads call overlap.update_parameter first."""
+    param._pyreducer_overlap = overlap
+    param.__class__ = pending_class(type(param))
+
+
+def take_off(param: torch.Tensor) -> None:
+    """`param` wears the class it had again."""
+    param.__class__ = type(param).__mro__[1]
+    del param._pyreducer_overlap
+
+
 def _pending_torch_function(cls, func, types, args=(), kwargs=None):
     """Updates the pending parameters among the arguments, then runs `func` on them."""
     kwargs = kwargs or {}

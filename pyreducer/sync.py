@@ -144,7 +144,7 @@ def sync_buffers(params, src: int, group=None) -> None:
         broadcast_coalesced(buffers, params.process_group if group is None else group, src=src)
 
 
-_SIDE_GROUPS: dict[int, tuple] = {}  # id(group) -> (group, its side group), per process
+_side: tuple | None = None  # (the default group, its side group), per process
 
 
 def side_group(group, device: torch.device):
@@ -162,16 +162,15 @@ def side_group(group, device: torch.device):
                       "one: the buffers' broadcast stays on it, behind the reductions in flight "
                       "(Note [Buffers beside deferred reductions])", stacklevel=3)
         return None
-    cached = _SIDE_GROUPS.get(id(world))
-    if cached is not None and cached[0] is world:  # (the entry holds it: its id stays)
-        return cached[1]
+    global _side
+    if _side is not None and _side[0] is world:  # a new default group gets a new one
+        return _side[1]
     try:
         timeout = world._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):  # not exposed by this backend: torch's default
         timeout = None
-    side = dist.new_group(timeout=timeout, backend=dist.get_backend(world))
-    _SIDE_GROUPS[id(world)] = (world, side)
-    return side
+    _side = (world, dist.new_group(timeout=timeout, backend=dist.get_backend(world)))
+    return _side[1]
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], group, src: int = 0,

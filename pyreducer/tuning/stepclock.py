@@ -9,7 +9,7 @@ the overlap being measured.
     fast they run. Each mark is a CUDA event recorded on the current stream, where the next
     forward's kernels go; a window is the elapsed time between two of them, read only when the
     trials' windows are gathered (the host waits for the end event then, once). Compiled, not
-    run: no GPU has run this (tests/gpu/test_gpu_ranks.py has its test).
+    run: no GPU has run this (tests/gpu/test_gpu_one_rank.py has its test).
 """
 from __future__ import annotations
 

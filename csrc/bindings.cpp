@@ -280,13 +280,26 @@ void set_failure_context(Reducer& reducer, py::object context) {
   });
 }
 
-// The Reducer, held by shared_ptr (see Reducer::create). Every method that takes the Reducer's
-// lock does so without the GIL: the autograd thread holds that lock while a Python
-// communication hook runs, which takes the GIL, so a caller waiting for the lock with the GIL
-// (a thread reading the logging data during backward) would deadlock both.
+// Note [Letting the Reducer go without the GIL]
+// The Reducer holds its process group, and may hold the last reference to it (a script that
+// called destroy_process_group() before its model went out of scope). The last reference to a
+// ProcessGroupGloo joins Gloo's worker threads, and a worker freeing a finished work drops that
+// work's tensors, which takes the GIL when a tensor has a Python object: destroying the group
+// with the GIL held then waits forever for a thread that waits for the GIL. pybind11 destroys a
+// holder with the GIL held unless told otherwise, so the Reducer's class releases it first
+// (py::release_gil_before_calling_cpp_dtor), as torch does for its own process-group objects
+// (pytorch/pytorch#56297; torch DDP's Reducer, bound without it, hangs that way at exit).
+// ~Reducer needs no GIL: the Python hook it may hold takes the GIL itself.
+
+// The Reducer, held by shared_ptr (see Reducer::create), let go without the GIL (see Note
+// [Letting the Reducer go without the GIL]). Every method that takes the Reducer's lock does so
+// without the GIL: the autograd thread holds that lock while a Python communication hook runs,
+// which takes the GIL, so a caller waiting for the lock with the GIL (a thread reading the
+// logging data during backward) would deadlock both.
 void bind_reducer(py::module_& m) {
   const auto RELEASE = py::call_guard<py::gil_scoped_release>();
-  py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
+  py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer",
+                                               py::release_gil_before_calling_cpp_dtor())
       .def(py::init(&Reducer::create), py::arg("params"), py::arg("param_names"),
            py::arg("initial_plan"), py::arg("process_group"), py::arg("options"))
       .def("register_comm_hook",

@@ -126,6 +126,11 @@ def main(argv=None) -> None:
                        interface=os.environ.get("GLOO_SOCKET_IFNAME", ""),
                        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))), f)
     dist.all_reduce(torch.zeros(1))  # every rank done before the group is torn down
+    # The model goes while the group is still registered: torch DDP's Reducer, left holding the
+    # last reference to the group, destroys it with the GIL held and can wait forever for a Gloo
+    # worker that waits for the GIL (see Note [Letting the Reducer go without the GIL] in
+    # csrc/bindings.cpp; pyreducer's own Reducer lets go without the GIL).
+    del model, optimizer
     dist.destroy_process_group()
 
 

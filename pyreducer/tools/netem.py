@@ -135,6 +135,7 @@ class EmulatedCluster:
         full_env = dict(os.environ, **(env or {}), MASTER_ADDR=self.address(0),
                         MASTER_PORT=str(self.port), WORLD_SIZE=str(self.hosts), RANK=str(rank),
                         GLOO_SOCKET_IFNAME=self.nic(rank))
+        popen_kwargs.setdefault("start_new_session", True)  # its children are killed with it
         proc = subprocess.Popen(["ip", "netns", "exec", self.host_ns(rank), "taskset", "-c",
                                  str(cpu)] + list(argv), env=full_env, **popen_kwargs)
         self._procs.append(proc)
@@ -168,18 +169,23 @@ class EmulatedCluster:
             try:
                 codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
+                running = [i for i, p in enumerate(procs) if p.poll() is None]
                 self._kill_all()
-                raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s; killed")
+                raise TimeoutError(f"ranks {running} of {len(procs)} did not finish within "
+                                   f"{timeout_s:.0f} s; everything launched was killed")
         return codes
 
     def _kill_all(self) -> None:
+        """Kills every launched process and what it started (a torchrun agent's workers)."""
         for proc in self._procs:
-            if proc.poll() is None:
-                proc.kill()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: see launch
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
 
     def close(self) -> None:
         self._kill_all()

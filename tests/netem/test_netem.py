@@ -45,17 +45,32 @@ def test_rate_limit_is_applied_and_training_works(tmp_path):
         assert result["interface"].endswith("v0")
 
 
-def test_cleanup_on_failure():
-    with pytest.raises(TimeoutError):
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_cleanup_on_failure(tmp_path):
+    """What a rank started (torchrun's workers) goes with it: a rank here starts a child that
+    outlives a kill of the rank alone."""
+    child = ("import subprocess, sys; p = subprocess.Popen(['sleep', '60']); "
+             "open(sys.argv[1], 'w').write(str(p.pid)); p.wait()")
+    pid_files = [tmp_path / f"child{r}" for r in range(2)]
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish"):
         with EmulatedCluster(2, "1gbit") as cluster:
             names = cluster.namespaces()
-            procs = [cluster.launch(r, [sys.executable, "-c", "import time; time.sleep(60)"])
+            procs = [cluster.launch(r, [sys.executable, "-c", child, str(pid_files[r])])
                      for r in range(2)]
             start = time.monotonic()
-            cluster.wait(procs, timeout_s=2)
+            cluster.wait(procs, timeout_s=3)
     assert time.monotonic() - start < 30
     assert _existing(names) == []
     assert all(p.poll() is not None for p in procs)
+    children = [int(f.read_text()) for f in pid_files]
+    assert [pid for pid in children if _alive(pid)] == [], "a rank's child outlived the cluster"
 
 
 def test_the_netem_command_runs_every_rank(tmp_path):

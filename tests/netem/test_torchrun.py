@@ -21,6 +21,10 @@ HOSTS = 4
 DIE_RANK, DIE_AT_STEP, CHECKPOINT_EVERY = 1, 13, 5
 
 
+def _tails(logs):
+    return "\n".join(f"--- host {h}:\n{log.read_text()[-3000:]}" for h, log in enumerate(logs))
+
+
 def _torchrun(out, *script_args, max_restarts=0):
     """The script under torchrun on every host; returns each rank's info and parameters."""
     out.mkdir()
@@ -33,9 +37,11 @@ def _torchrun(out, *script_args, max_restarts=0):
                                          cwd=str(out), stdout=open(log, "w"),
                                          stderr=subprocess.STDOUT)
                  for host, log in enumerate(logs)]
-        codes = cluster.wait(procs, timeout_s=240)
-    tails = "\n".join(f"--- host {h}:\n{log.read_text()[-3000:]}" for h, log in enumerate(logs))
-    assert codes == [0] * HOSTS, f"torchrun exit codes {codes}\n{tails}"
+        try:
+            codes = cluster.wait(procs, timeout_s=240)
+        except TimeoutError as timeout:
+            raise TimeoutError(f"{timeout}\n{_tails(logs)}") from None
+    assert codes == [0] * HOSTS, f"torchrun exit codes {codes}\n{_tails(logs)}"
     infos = [json.loads((out / f"info_rank{r}.json").read_text()) for r in range(HOSTS)]
     params = [torch.load(out / f"final_rank{r}.pt") for r in range(HOSTS)]
     return infos, params

@@ -1,4 +1,5 @@
-"""torch DDP's constructor arguments, checked and resolved as torch 2.13 DDP does.
+"""torch DDP's constructor arguments, checked and resolved as torch 2.13 DDP does (and
+overlap_optimizer's, last).
 
 The checks run in torch DDP's order, raise torch's exception types, and start their messages
 with torch's words; pyreducer adds what it knows after them (which parameter, which devices).
@@ -183,3 +184,50 @@ def check_module(module: nn.Module, named: list, wrapper_types: tuple) -> None:
                 f"pyreducer.DistributedDataParallel cannot wrap a module that is already "
                 f"wrapped: {where} is a {type(sub).__module__}.{type(sub).__name__}. Wrap the "
                 f"plain module once.")
+
+
+def check_overlap_optimizer(optimizer, module, hold_back: int, schedule) -> bool:
+    """overlap_optimizer's arguments, each refusal naming what it found; returns whether
+    `schedule` is a chunk size in MB."""
+    if hold_back < 0:
+        raise ValueError(f"overlap_optimizer: hold_back must be >= 0, got {hold_back}")
+    fixed_mb = isinstance(schedule, (int, float)) and not isinstance(schedule, bool)
+    if not (schedule in ("auto", "fifo") or (fixed_mb and schedule > 0)):
+        raise ValueError(f"overlap_optimizer: schedule must be 'auto', 'fifo' or a chunk "
+                         f"size in MB > 0, got {schedule!r}")
+    if hold_back and schedule != "fifo":
+        raise ValueError("overlap_optimizer: hold_back applies to schedule='fifo' (the "
+                         "'auto' schedule chooses the order itself)")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"overlap_optimizer expects a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    scripted = [name or "(root)" for name, m in module.named_modules()
+                if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:
+        raise ValueError(f"overlap_optimizer: the wrapped module holds TorchScript modules "
+                         f"({', '.join(scripted[:4])}): their forward reads parameters in "
+                         "C++, where a pending update cannot be caught before the read. Wrap "
+                         "the eager module (torch.compile works), or step the optimizer "
+                         "itself (torch DDP's step)")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("overlap_optimizer: LBFGS needs a closure that re-evaluates the "
+                         "whole model, which cannot be split into per-bucket updates")
+    replaced = _replaced_step(optimizer)
+    if replaced is not None:
+        warnings.warn(f"overlap_optimizer: {type(optimizer).__name__}.step was replaced on this "
+                      f"optimizer ({getattr(replaced, '__qualname__', replaced)!r}); the "
+                      "overlapped optimizer runs the class's step bucket by bucket and never "
+                      "calls the replacement. Step hooks (register_step_pre_hook / "
+                      "register_step_post_hook) run once per step()", stacklevel=4)
+    return fixed_mb
+
+
+def _replaced_step(optimizer):
+    """What replaces the class's step on this optimizer instance, or None; an LR scheduler's
+    counting wrapper (it calls the step it wrapped) is looked through."""
+    step = vars(optimizer).get("step")
+    if step is None:
+        return None
+    if getattr(step, "_wrapped_by_lr_sched", False):
+        step = getattr(step, "__wrapped__", step)
+    return None if getattr(step, "__func__", step) is type(optimizer).step else step

@@ -36,7 +36,7 @@ import weakref
 import torch
 
 from pyreducer._ext import _C
-from pyreducer import pending
+from pyreducer import arguments, pending
 from pyreducer.tuning.overlap_control import ScheduleTuner
 
 HISTORY = 16  # iterations whose overlap events are kept (the timeline keeps 8 by default)
@@ -92,35 +92,6 @@ def refuse_overlap_with(join: bool, check_finite: bool) -> None:
                          "overlap_optimizer yet (updates run as buckets complete)")
 
 
-def _check_arguments(optimizer, module, hold_back: int, schedule) -> bool:
-    """overlap_optimizer's arguments, each refusal naming what it found; returns whether
-    `schedule` is a chunk size in MB."""
-    if hold_back < 0:
-        raise ValueError(f"overlap_optimizer: hold_back must be >= 0, got {hold_back}")
-    fixed_mb = isinstance(schedule, (int, float)) and not isinstance(schedule, bool)
-    if not (schedule in ("auto", "fifo") or (fixed_mb and schedule > 0)):
-        raise ValueError(f"overlap_optimizer: schedule must be 'auto', 'fifo' or a chunk "
-                         f"size in MB > 0, got {schedule!r}")
-    if hold_back and schedule != "fifo":
-        raise ValueError("overlap_optimizer: hold_back applies to schedule='fifo' (the "
-                         "'auto' schedule chooses the order itself)")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"overlap_optimizer expects a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
-    scripted = [name or "(root)" for name, m in module.named_modules()
-                if isinstance(m, torch.jit.ScriptModule)]
-    if scripted:
-        raise ValueError(f"overlap_optimizer: the wrapped module holds TorchScript modules "
-                         f"({', '.join(scripted[:4])}): their forward reads parameters in "
-                         "C++, where a pending update cannot be caught before the read. Wrap "
-                         "the eager module (torch.compile works), or step the optimizer "
-                         "itself (torch DDP's step)")
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("overlap_optimizer: LBFGS needs a closure that re-evaluates the "
-                         "whole model, which cannot be split into per-bucket updates")
-    return fixed_mb
-
-
 class OverlapOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose updates overlap the next forward (Note [Overlapped step]).
 
@@ -156,7 +127,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, reducer, params, module,
                  max_grad_norm: float | None = None, hold_back: int = 0, schedule: str = "auto",
                  tuning=None, autotune=None):
-        fixed_mb = _check_arguments(optimizer, module, hold_back, schedule)
+        fixed_mb = arguments.check_overlap_optimizer(optimizer, module, hold_back, schedule)
         super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups],
                          optimizer.defaults)
         self.param_groups = optimizer.param_groups  # shared: schedulers may drive either

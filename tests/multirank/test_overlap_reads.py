@@ -9,7 +9,9 @@ torch.compile; the optimizer's step hooks and an LR scheduler on the wrapped opt
 refusals (pickling the wrapper, a TorchScript module)."""
 import copy
 import io
+import os
 import pickle
+import types
 
 import pytest
 import torch
@@ -148,6 +150,44 @@ def pickle_worker(rank, world_size):
 def test_overlapped_wrapper_refuses_pickling_by_name(ranks_once):
     for message in ranks_once(pickle_worker, 2, ()):
         assert message and "overlapped optimizer cannot be pickled" in message, message
+
+
+def replaced_step_worker(rank, world_size):
+    """overlap_optimizer over an optimizer whose step was replaced on the instance warns that
+    the replacement is never called (the class's step runs per bucket); an LR scheduler's
+    counting wrapper alone is no replacement, and a replacement under it is still found."""
+    import warnings
+
+    from pyreducer import DistributedDataParallel
+
+    def counted_step(self, *args, **kwargs):
+        return type(self).step(self, *args, **kwargs)
+
+    out = {}
+    for case in ("plain", "scheduler", "replaced", "replaced_then_scheduler"):
+        model = DistributedDataParallel(nn.Linear(8, 2))
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        if case.startswith("replaced"):
+            inner.step = types.MethodType(counted_step, inner)  # a scheduler needs a method
+        if case.endswith("scheduler"):
+            torch.optim.lr_scheduler.StepLR(inner, step_size=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.overlap_optimizer(inner, schedule="fifo")
+        out[case] = [(str(w.message), os.path.basename(w.filename)) for w in caught
+                     if "overlap_optimizer" in str(w.message)]
+    return out
+
+
+def test_a_step_replaced_on_the_optimizer_is_named_in_a_warning(ranks_once):
+    for r in ranks_once(replaced_step_worker, 2, ()):
+        assert r["plain"] == r["scheduler"] == [], r
+        for case in ("replaced", "replaced_then_scheduler"):
+            assert len(r[case]) == 1, r[case]
+            message, filename = r[case][0]
+            assert "SGD.step was replaced on this optimizer" in message, message
+            assert "counted_step" in message, message
+            assert filename == "test_overlap_reads.py", filename  # points at the caller
 
 
 def compiled_worker(rank, world_size):

@@ -135,7 +135,6 @@ class EmulatedCluster:
         full_env = dict(os.environ, **(env or {}), MASTER_ADDR=self.address(0),
                         MASTER_PORT=str(self.port), WORLD_SIZE=str(self.hosts), RANK=str(rank),
                         GLOO_SOCKET_IFNAME=self.nic(rank))
-        popen_kwargs.setdefault("start_new_session", True)  # its children are killed with it
         proc = subprocess.Popen(["ip", "netns", "exec", self.host_ns(rank), "taskset", "-c",
                                  str(cpu)] + list(argv), env=full_env, **popen_kwargs)
         self._procs.append(proc)
@@ -176,16 +175,28 @@ class EmulatedCluster:
         return codes
 
     def _kill_all(self) -> None:
-        """Kills every launched process and what it started (a torchrun agent's workers)."""
+        """Kills every launched process, then every process left in the hosts' namespaces:
+        what a launch started lives there too, even in a session of its own (torchrun starts
+        its workers so, and a killed agent leaves them running)."""
         for proc in self._procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: see launch
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+            if proc.poll() is None:
+                proc.kill()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+        for ns in self._created:
+            for _ in range(10):  # bounded: a process may fork while its siblings are killed
+                pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                      text=True, timeout=30).stdout.split()
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
+                time.sleep(0.05)
 
     def close(self) -> None:
         self._kill_all()

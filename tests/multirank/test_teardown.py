@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from pyreducer.testing import run_ranks
 
-HOLD_GIL_S = 0.5  # long enough for the all-reduce of one float to finish on every rank
+HOLD_GIL_S = 0.5  # rank 0 keeps the GIL this long: its all-reduce finishes meanwhile
+LATE_S = 0.2  # rank 1 joins the all-reduce this late, when rank 0 already keeps the GIL
 
 
 def last_owner_worker(rank, world_size):
@@ -26,6 +27,8 @@ def last_owner_worker(rank, world_size):
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1000.0)  # the main thread keeps the GIL while it does not block
     try:
+        if rank == 1:
+            time.sleep(LATE_S)
         group.allreduce([torch.ones(1)])  # the work alone holds the tensor: its worker frees it
         dist.destroy_process_group(group)
         del group  # the Reducer now holds the only reference to the group

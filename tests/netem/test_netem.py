@@ -54,9 +54,10 @@ def _alive(pid):
 
 
 def test_cleanup_on_failure(tmp_path):
-    """What a rank started (torchrun's workers) goes with it: a rank here starts a child that
-    outlives a kill of the rank alone."""
-    child = ("import subprocess, sys; p = subprocess.Popen(['sleep', '60']); "
+    """What a rank started goes with it: a rank here starts a child in a session of its own,
+    as torchrun starts its workers, which outlives a kill of the rank or of its group."""
+    child = ("import subprocess, sys; "
+             "p = subprocess.Popen(['sleep', '60'], start_new_session=True); "
              "open(sys.argv[1], 'w').write(str(p.pid)); p.wait()")
     pid_files = [tmp_path / f"child{r}" for r in range(2)]
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish"):

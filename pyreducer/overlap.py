@@ -316,8 +316,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
     # has not waited yet for the event recorded after the update makes it wait. The forward's
     # end, synchronize(), and the next forward or backward's end (after a forward that raised)
     # pass every fence. Gradients freed after an update are recorded on the update's stream.
-    # Not fenced: a bucket completed by a read before step(). Compiled, not run: no GPU here
-    # (tests/gpu: a two-stream forward against torch DDP). On CPU nothing is fenced.
+    # A bucket completed by a read before step() (its averages written into .grad on the
+    # reading stream) is fenced the same way, so step() on another stream waits for it, and
+    # so does clipping (every fence, for the stream it runs on). Compiled, not run: no GPU here
+    # (tests/gpu: a two-stream forward, a gradient read on a side stream before step(), each
+    # against torch DDP). On CPU nothing is fenced.
 
     def _fence(self, group: list, stream) -> None:
         """After bucket `group`'s update on CUDA `stream` (Note [Streams])."""
@@ -363,14 +366,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 self._clip()
             self.reducer.complete_bucket(b)
             event["reduced_ns"] = _C.Reducer.now_ns()
-            if not self.stepped:
-                self.early.extend(group)
-                return
-            self._step_subset({id(p) for p in group}, hyper=self.hyper)
-            event["updated_ns"] = _C.Reducer.now_ns()
+            if self.stepped:
+                self._step_subset({id(p) for p in group}, hyper=self.hyper)
+                event["updated_ns"] = _C.Reducer.now_ns()
         finally:
             self.busy = False
-        if self.zero_mode is not None:
+        if not self.stepped:  # reduced by a read before step(): stepped at step()
+            self.early.extend(group)
+        elif self.zero_mode is not None:
             for p in group:
                 if self.zero_mode:
                     if p.grad is not None and p.grad.is_cuda:  # freed while this stream (maybe
@@ -379,9 +382,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.zero_()
-        if reading is not None and reading.is_cuda and self.in_forward:
+        if reading is not None and reading.is_cuda:
             self._fence(group, torch.cuda.current_stream(reading.device))
-        if not self.pending:
+        if not self.pending and self.stepped:
             self.zero_mode, self.stepped = None, False
 
     def _step_subset(self, members: set, hyper) -> None:
@@ -411,6 +414,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         busy, self.busy = self.busy, True
         try:
             self.reducer.complete_all()
+            for p, _, _ in list(self.fenced.values()):  # written back on other streams
+                self._wait_fence(p)
             params = [p for g in self.optimizer.param_groups for p in g["params"]
                       if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)

@@ -8,11 +8,10 @@ import torch
 
 from gpu_kit import nccl_ranks, needs_gpus
 from gpu_workers import (allreduce_busbw_gbps, averaging_worker, big_bucket_worker,
-                         check_finite_worker,
-                         join_fp16_worker, mixed_precision_worker, no_set_device_worker,
-                         overlap_worker, sparse_on_nccl_worker, strides_worker,
-                         two_stream_forward_worker,
+                         check_finite_worker, join_fp16_worker, mixed_precision_worker,
+                         no_set_device_worker, sparse_on_nccl_worker, strides_worker,
                          two_streams_worker)
+from overlap_workers import early_read_worker, overlap_worker, two_stream_forward_worker
 from pyreducer.testing.parity import SCENARIOS, parity_worker
 
 # The parity scenarios on NCCL: all but the sparse ones (NCCL has no sparse all-reduce; see
@@ -162,6 +161,20 @@ def test_a_bucket_updated_on_a_side_stream_is_waited_for_on_the_main_one():
     """Note [Streams] in pyreducer/overlap.py. Compiled, not run here: no GPU."""
     for rank, result in enumerate(nccl_ranks(two_stream_forward_worker, 2)):
         assert result["buckets"] == 1, result["buckets"]
+        for ours, theirs in zip(result["ours"], result["torch"]):
+            assert torch.equal(ours, theirs), f"rank {rank}"
+
+
+@needs_gpus(2)
+def test_a_bucket_completed_by_a_read_before_step_is_waited_for_by_step():
+    """Note [Streams] in pyreducer/overlap.py: a gradient read on a side stream before step()
+    (the bucket's averages written there); step() on the main stream. Compiled, not run here:
+    no GPU."""
+    for rank, result in enumerate(nccl_ranks(early_read_worker, 2)):
+        assert result["buckets"] == 1, result["buckets"]
+        for ours, theirs in zip(result["ours_norms"], result["torch_norms"]):
+            assert torch.equal(ours, theirs), f"rank {rank}: the side stream read {ours}, " \
+                f"torch DDP's side stream {theirs}"
         for ours, theirs in zip(result["ours"], result["torch"]):
             assert torch.equal(ours, theirs), f"rank {rank}"
 

@@ -1,0 +1,177 @@
+"""Rank functions of the GPU kit for the overlapped optimizer (Note [Overlapped step] and Note
+[Streams] in pyreducer/overlap.py): NCCL ranks against torch DDP + the same Adam, with CUDA
+streams that do not wait for each other unless the code under test makes them."""
+import copy
+
+import torch
+
+
+def _sleep_cycles(seconds: float) -> int:
+    """torch.cuda._sleep cycles for about `seconds` on this GPU (timed on the host)."""
+    import time
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(10**7)
+    torch.cuda.synchronize()
+    return int(10**7 / (time.perf_counter() - start) * seconds)
+
+
+def _overlap_model(variant):
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
+        if variant == "bn":  # buffers: broadcast beside the reductions in flight
+            layers.append(torch.nn.BatchNorm1d(256))
+    return torch.nn.Sequential(*layers, torch.nn.Linear(256, 4))
+
+
+def overlap_worker(rank, world_size, schedule, variant="plain"):
+    """The overlapped optimizer on NCCL (deferred completion: each bucket's wait makes the
+    current stream wait, then its copy-out and update run on it) against torch DDP + the same
+    Adam; `schedule`: "fifo", or a chunk size in MB (chunked all-reduces in the planned order).
+    The last rank's stream sleeps ~20 ms before every other backward, so the other ranks'
+    reductions are still running when their host queues the copy-out and the update: a wait on
+    the wrong stream, or none, changes the values. `variant`: "plain"; "bn" (BatchNorm buffers:
+    Note [Buffers beside deferred reductions]); "bucket_view" (gradient_as_bucket_view); "stream"
+    (the loop on a side stream, the wrappers built on the default one)."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    lag = _sleep_cycles(0.02)
+    torch.manual_seed(5)
+    base = _overlap_model(variant)
+    options = dict(gradient_as_bucket_view=variant == "bucket_view")
+    out = {}
+    for name in ("torch", "ours"):
+        module = copy.deepcopy(base).to(device)
+        cls = TorchDDP if name == "torch" else DistributedDataParallel
+        model = cls(module, device_ids=[rank], bucket_cap_mb=0.3, **options)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+        if name == "ours":
+            opt = model.overlap_optimizer(opt, schedule=schedule)
+        gen = torch.Generator().manual_seed(rank)
+        stream = torch.cuda.Stream(device) if variant == "stream" else \
+            torch.cuda.current_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for step in range(10):
+                x = torch.randn(16, 256, generator=gen).to(device)
+                loss = model(x).pow(2).mean()
+                if rank == world_size - 1 and step % 2:
+                    torch.cuda._sleep(lag)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            if name == "ours":
+                model.synchronize()
+                out["chunks"] = model.reducer.launch_chunks()
+        torch.cuda.synchronize(device)
+        out[name] = [p.detach().cpu().clone() for p in model.parameters()]
+        out[name] += [b.detach().cpu().clone() for b in model.module.buffers()]
+    return out
+
+
+class _SideStreamRead(torch.nn.Module):
+    """A forward that forks a side stream (after side.wait_stream(current), as CUDA code does):
+    `b` is read first, on the side stream, after a ~20 ms sleep there; `a`, in the same bucket,
+    then on the main stream, which does not wait for the side until the join."""
+
+    def __init__(self, lag: int):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+        self.head = torch.nn.Linear(256, 4)
+        self.lag, self.side = lag, None
+
+    def forward(self, x):
+        current = torch.cuda.current_stream(x.device)
+        if self.side is None:
+            self.side = torch.cuda.Stream(x.device)
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
+            torch.cuda._sleep(self.lag)
+            hb = self.b(x)
+        ha = self.a(x)
+        current.wait_stream(self.side)
+        hb.record_stream(current)
+        return self.head(torch.tanh(ha + hb))
+
+
+def two_stream_forward_worker(rank, world_size):
+    """Note [Streams] in pyreducer/overlap.py: the overlapped optimizer with _SideStreamRead (one
+    bucket: the update runs on the side stream at b's read; a's read on the main stream must
+    wait for it) against torch DDP + the same Adam, parameters after 6 steps."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.manual_seed(5)
+    base = _SideStreamRead(_sleep_cycles(0.02))
+    out = {}
+    for name in ("torch", "ours"):
+        cls = TorchDDP if name == "torch" else DistributedDataParallel
+        model = cls(copy.deepcopy(base).to(device), device_ids=[rank], bucket_cap_mb=25)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+        if name == "ours":
+            opt = model.overlap_optimizer(opt, schedule="fifo")
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(6):
+            model(torch.randn(16, 256, generator=gen).to(device)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if name == "ours":
+            model.synchronize()
+            out["buckets"] = len(model.bucket_plan())
+        torch.cuda.synchronize(device)
+        out[name] = [p.detach().cpu().clone() for p in model.parameters()]
+    return out
+
+
+def early_read_worker(rank, world_size):
+    """Note [Streams] in pyreducer/overlap.py: after each backward, a gradient is read on a side
+    stream (after side.wait_stream(current), then a ~20 ms sleep there) before step(): the
+    read completes the bucket there, so its averages are written into .grad on the side
+    stream; step() then runs on the main stream, which never waits for the side unless the
+    optimizer fences the bucket. Against torch DDP + the same Adam: the parameters after 6 steps
+    and the gradient norms the side stream read."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    lag = _sleep_cycles(0.02)
+    torch.manual_seed(5)
+    base = _overlap_model("plain")
+    out = {}
+    for name in ("torch", "ours"):
+        cls = TorchDDP if name == "torch" else DistributedDataParallel
+        model = cls(copy.deepcopy(base).to(device), device_ids=[rank], bucket_cap_mb=25)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+        if name == "ours":
+            opt = model.overlap_optimizer(opt, schedule="fifo")
+        gen = torch.Generator().manual_seed(rank)
+        current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+        norms = []
+        for _ in range(6):
+            model(torch.randn(16, 256, generator=gen).to(device)).pow(2).mean().backward()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(lag)
+                grad = model.module[0].weight.grad  # ours: the bucket completes here
+                grad.record_stream(side)
+                norms.append(grad.norm())
+            opt.step()
+            opt.zero_grad()
+        if name == "ours":
+            model.synchronize()
+            out["buckets"] = len(model.bucket_plan())
+        torch.cuda.synchronize(device)
+        out[name] = [p.detach().cpu().clone() for p in model.parameters()]
+        out[name + "_norms"] = [n.cpu() for n in norms]
+    return out

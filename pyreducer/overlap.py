@@ -92,6 +92,17 @@ def refuse_overlap_with(join: bool, check_finite: bool) -> None:
                          "overlap_optimizer yet (updates run as buckets complete)")
 
 
+def _keep_eager() -> None:
+    """OverlapOptimizer.update_parameter (bookkeeping) runs eagerly, never traced into a graph
+    by torch.compile (traced, one of dynamo's guards read an entry the update had popped).
+    torch.compiler.disable imports torch._dynamo, about 2 s of CPU, so it is applied when the
+    first overlapped optimizer is made, not when pyreducer is imported (every rank imports it)."""
+    if not getattr(OverlapOptimizer.update_parameter, "_pyreducer_eager", False):
+        eager = torch.compiler.disable(OverlapOptimizer.update_parameter)
+        eager._pyreducer_eager = True
+        OverlapOptimizer.update_parameter = eager
+
+
 class OverlapOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose updates overlap the next forward (Note [Overlapped step]).
 
@@ -128,6 +139,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
                  max_grad_norm: float | None = None, hold_back: int = 0, schedule: str = "auto",
                  tuning=None, autotune=None):
         fixed_mb = arguments.check_overlap_optimizer(optimizer, module, hold_back, schedule)
+        _keep_eager()
         super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups],
                          optimizer.defaults)
         self.param_groups = optimizer.param_groups  # shared: schedulers may drive either
@@ -292,8 +304,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.reducer.set_deferred_completion(not barrier, self.on_deferred)
             self.barrier = barrier
 
-    @torch.compiler.disable  # bookkeeping, run eagerly: traced, a guard read a popped entry
-    def update_parameter(self, param: torch.Tensor) -> None:
+    def update_parameter(self, param: torch.Tensor) -> None:  # (kept eager: _keep_eager)
         """A read of `param` is coming: its bucket is reduced (and updated if stepped) first."""
         if not self.busy:
             if id(param) in self.fenced:

@@ -1,6 +1,7 @@
-"""The tree's rules, checked: `import pyreducer` loads the library only; no module beside
-distributed.py reads the wrapper's private attributes; functions and files stay small; build
-facts (sources, C++ standard, version, defaults) are stated once."""
+"""The tree's rules, checked: `import pyreducer` loads the library only (not its tools,
+matplotlib or torch._dynamo); no module beside distributed.py reads the wrapper's private
+attributes; functions and files stay small; build facts (sources, C++ standard, version,
+defaults) are stated once."""
 import ast
 import glob
 import json
@@ -34,7 +35,7 @@ def _csrc_files():
 def test_import_loads_the_library_only(tmp_path):
     code = ("import sys, json, pyreducer; "
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('pyreducer', "
-            "'matplotlib')))))")
+            "'matplotlib', 'torch._dynamo')))))")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(PACKAGE))
     env.pop("PYREDUCER_TRACE", None)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -44,6 +45,9 @@ def test_import_loads_the_library_only(tmp_path):
     assert "pyreducer.distributed" in loaded  # the check sees what was imported
     assert not [m for m in loaded if m.startswith("matplotlib")], loaded
     assert not [m for m in loaded if m.startswith(TOOLING)], loaded
+    # torch.compile's machinery costs ~2 s of CPU per process: loaded when an overlapped
+    # optimizer is made (pyreducer/overlap.py, _keep_eager), not by the import
+    assert not [m for m in loaded if m.startswith("torch._dynamo")], loaded
 
 
 def _wrapper_private_names() -> set[str]:

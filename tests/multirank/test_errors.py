@@ -157,6 +157,13 @@ def combinations_worker(rank, world_size):
     overlap = overlapped.overlap_optimizer(torch.optim.SGD(overlapped.parameters(), lr=0.1))
     out["join_overlap"] = _capture(lambda: overlapped.join().__enter__())
     out["closure"] = _capture(lambda: overlap.step(lambda: 0.0))
+    joined = DistributedDataParallel(nn.Linear(4, 2))
+
+    def overlap_inside_join():
+        with joined.join():
+            joined.overlap_optimizer(torch.optim.SGD(joined.parameters(), lr=0.1))
+
+    out["overlap_in_join"] = _capture(overlap_inside_join)
     from torch.nn.parallel.distributed import _MixedPrecision
 
     out["mixed_rnn"] = _capture(lambda: DistributedDataParallel(
@@ -171,6 +178,7 @@ def combinations_worker(rank, world_size):
     ("mixed_rnn", ["NotImplementedError", "mixed_precision with recurrent modules"]),
     ("join_overlap", ["ValueError", "join() cannot be combined with an overlapped optimizer"]),
     ("closure", ["ValueError", "step(closure) is not supported"]),
+    ("overlap_in_join", ["ValueError", "overlap_optimizer cannot be created inside join()"]),
 ])
 def test_combinations_that_cannot_work_raise_naming_them(ranks_once, key, words):
     for r in ranks_once(combinations_worker, 2, ()):

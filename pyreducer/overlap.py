@@ -143,7 +143,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups],
                          optimizer.defaults)
         self.param_groups = optimizer.param_groups  # shared: schedulers may drive either
-        self.state = optimizer.state
         self.optimizer, self.reducer, self.params = optimizer, reducer, params
         self.max_grad_norm, self.hold_back = max_grad_norm, hold_back
         self.tuner = None if schedule == "fifo" else ScheduleTuner(
@@ -157,7 +156,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # event after its bucket's update, the streams that waited for it) (Note [Streams])
         self.stepped = False
         self.clip_due = False
-        self.early: list[torch.Tensor] = []  # reduced by a read before step(): stepped at step()
         self.hyper: list[dict] = []  # the param_groups' settings when step() was called
         self.zero_mode: bool | None = None  # zero_grad(set_to_none) to apply after updates
         self.busy = False  # inside an update: reads pass through
@@ -192,9 +190,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Records the update of every parameter whose bucket is still being reduced; they
-        happen when the next forward reads them (or at synchronize()). Parameters whose
-        reduction is done (a read after backward waited for it, or a backward without sync)
-        are stepped at once, as torch does."""
+        happen when the next forward reads them (or at synchronize()). Every other parameter
+        with a gradient is stepped at once, as torch does: those whose reduction is done (a
+        read after backward waited for it, or a backward without sync) and those outside every
+        bucket (ignored by the wrapper, delayed all-reduce, not in the model)."""
         if closure is not None:
             raise ValueError("overlap_optimizer: step(closure) is not supported (the update is "
                              "split into buckets run during the next forward)")
@@ -205,16 +204,16 @@ class OverlapOptimizer(torch.optim.Optimizer):
             if self.max_grad_norm is not None:
                 self._clip()
             self._math_step()
-            self.early = []
             self._step_done()
             return None
         self.clip_due = self.max_grad_norm is not None
-        if self.early:  # stepped now; clipping first needs every gradient, reduced
+        now = [p for g in self.optimizer.param_groups for p in g["params"]
+               if id(p) not in self.bucket_of and p.grad is not None]
+        if now:  # stepped now; clipping first needs every gradient, reduced
             if self.clip_due:
                 self.clip_due = False
                 self._clip()
-            self._step_subset({id(p) for p in self.early}, hyper=None)
-            self.early = []
+            self._step_subset({id(p) for p in now}, hyper=None)
         self.hyper = [{k: v for k, v in g.items() if k != "params"}
                       for g in self.optimizer.param_groups]
         self.stepped = True
@@ -244,9 +243,24 @@ class OverlapOptimizer(torch.optim.Optimizer):
                         p.grad = None
                     elif p.grad is not None:
                         p.grad.zero_()
-        self.early = []
         if self.pending:
             self.zero_mode = set_to_none
+
+    @property
+    def state(self):
+        """The wrapped optimizer's state, once every pending update is done (a parameter's
+        state entry is found by the parameter's hash, which no torch function sees: read here
+        without waiting, it would be the previous step's)."""
+        if getattr(self, "pending", None) and not self.busy:
+            self.synchronize()
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        """Sets the wrapped optimizer's state (the empty one torch.optim.Optimizer.__init__ sets
+        first, before there is a wrapped optimizer, is dropped)."""
+        if "optimizer" in self.__dict__:
+            self.optimizer.state = value
 
     def state_dict(self):
         self.synchronize()
@@ -255,9 +269,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         self.synchronize()
         self.optimizer.load_state_dict(state_dict)
-        # torch's load_state_dict gives the optimizer new param_groups and state objects: share
-        # those, or an LR scheduler driving this object would set a learning rate no step reads
-        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+        # torch's load_state_dict gives the optimizer new param_groups: share them, or an LR
+        # scheduler driving this object would set a learning rate no step reads (state: the
+        # property reads the optimizer's)
+        self.param_groups = self.optimizer.param_groups
 
     # -- reductions and updates ------------------------------------------------------------------
     def _backward_ended(self) -> None:
@@ -273,7 +288,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             for p in group:
                 self.bucket_of[id(p)] = b
                 pending.wear(p, self)
-        self.stepped, self.early = False, []
+        self.stepped = False
         self.current = dict(iteration=self.reducer.num_iterations, forward_start_ns=0,
                             forward_end_ns=0, updates=[])
         self.history[self.current["iteration"]] = self.current
@@ -382,9 +397,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 event["updated_ns"] = _C.Reducer.now_ns()
         finally:
             self.busy = False
-        if not self.stepped:  # reduced by a read before step(): stepped at step()
-            self.early.extend(group)
-        elif self.zero_mode is not None:
+        if self.stepped and self.zero_mode is not None:  # (read before step(): stepped then)
             for p in group:
                 if self.zero_mode:
                     if p.grad is not None and p.grad.is_cuda:  # freed while this stream (maybe

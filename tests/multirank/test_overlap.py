@@ -1,9 +1,10 @@
 """The overlapped optimizer (pyreducer/overlap.py) against torch DDP + the same optimizer: same
 seed, same data, the same loop (backward, step, zero_grad); parameters and optimizer state after
-the steps bit for bit (foreach=False implementations and the defaults), with LR schedulers,
-gradient clipping, no_sync accumulation, unused parameters, tied weights, a parameter read
-outside its module, bucket views, static graph, a communication hook, and a checkpoint resumed
-mid-training. Three passes: 2 ranks with the default schedule ("auto": torch DDP's order until
+the steps bit for bit (foreach=False implementations, the defaults, and foreach=True, torch's
+default on CUDA), with LR schedulers, gradient clipping, no_sync accumulation, unused parameters,
+tied weights, a parameter read outside its module, parameters stepped outside every bucket
+(ignored, delayed all-reduce, not in the model), bucket views, static graph, a communication
+hook, and a checkpoint resumed mid-training. Three passes: 2 ranks with the default schedule ("auto": torch DDP's order until
 it plans), 2 ranks with the buckets cut into chunks launched in the planned order from the
 fourth step, and 3 ranks with torch DDP's order (the one bitwise there; chunks at 3 ranks:
 test_overlap_schedule.py). Also that the updates really are deferred to the next forward, that
@@ -14,8 +15,11 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from pyreducer.testing.parity import _delay_last_layer
 
 STEPS = 6
 
@@ -68,6 +72,12 @@ def _optimizer(kind, params):
                                  foreach=False)
     if kind == "sgd_default":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    # torch's default on CUDA; on CPU the default is the loop above, so foreach is asked for
+    if kind == "adam_foreach":
+        return torch.optim.Adam(params, lr=1e-2, foreach=True)
+    if kind == "sgd_foreach":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3,
+                               foreach=True)
     raise ValueError(kind)
 
 
@@ -89,7 +99,16 @@ CASES = {
     "mlp_param_groups": dict(model="mlp", opt="adamw_groups", scheduler="cosine",
                              ddp=dict(bucket_cap_mb=0.1)),
     "cnn_sgd_default_foreach": dict(model="cnn", opt="sgd_default", ddp=dict(bucket_cap_mb=0.01)),
+    "mlp_adam_foreach": dict(model="mlp", opt="adam_foreach", ddp=dict(bucket_cap_mb=0.3)),
+    "cnn_sgd_foreach": dict(model="cnn", opt="sgd_foreach", ddp=dict(bucket_cap_mb=0.01)),
     "mlp_adamw": dict(model="mlp", opt="adamw", ddp=dict(bucket_cap_mb=0.1)),
+    # parameters the optimizer steps outside every bucket: one the wrapper ignores, one not in
+    # the model (scaling the loss), and the delayed all-reduce's (torch DDP never waits for
+    # it: a barrier after its backward does)
+    "outside_buckets": dict(model="mlp", opt="adam", ignore=["2.weight"], extra=True,
+                            ddp=dict(bucket_cap_mb=0.1)),
+    "delay_all_reduce": dict(model="mlp", opt="sgd", ddp_from_module=_delay_last_layer,
+                             barrier=True, ddp=dict(bucket_cap_mb=0.1)),
     "cnn_sgd": dict(model="cnn", opt="sgd", ddp=dict(bucket_cap_mb=0.01)),
     "tied_adam": dict(model="tied", opt="adam", ddp=dict(bucket_cap_mb=0.001)),
     "reads_outside": dict(model="reads_outside", opt="sgd", ddp=dict(bucket_cap_mb=0.001)),
@@ -136,12 +155,18 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
 
     ours = not cls.__module__.startswith("torch")
 
+    scale = nn.Parameter(torch.ones(())) if case.get("extra") else None  # not in the model
+
     def build(module, plan=None):
         extra = dict(bucket_plan=plan) if plan is not None else {}
+        if "ignore" in case:
+            cls._set_params_and_buffers_to_ignore_for_model(module, case["ignore"])
+        if "ddp_from_module" in case:
+            extra.update(case["ddp_from_module"](module))
         model = cls(module, **case.get("ddp", {}), **extra)
         if case.get("hook"):
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        opt = _optimizer(case["opt"], model.parameters())
+        opt = _optimizer(case["opt"], list(model.parameters()) + ([scale] if scale else []))
         if ours:
             opt = model.overlap_optimizer(opt, max_grad_norm=case.get("clip"),
                                           **_schedule(case, mode))
@@ -171,7 +196,10 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
                 with model.no_sync():
                     loss_fn(model, batch, step).backward()
                 continue
-            loss_fn(model, batch, step).backward()
+            loss = loss_fn(model, batch, step)
+            (loss * scale if scale is not None else loss).backward()
+            if case.get("barrier") and not ours:
+                dist.barrier()
         if ours:
             deferred.append(len(model.reducer.pending_buckets()))
             chunked += max(model.reducer.launch_chunks()) > 1
@@ -184,6 +212,8 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
             scheduler.step()
         opt.zero_grad(set_to_none=case.get("set_to_none", True))
     params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    if scale is not None:
+        params["(scale, outside the model)"] = scale.detach().clone()
     buffers = {n: b.detach().clone() for n, b in model.module.named_buffers()}
     state = opt.state_dict()["state"]
     return dict(params=params, buffers=buffers, deferred=deferred, chunked=chunked,

@@ -37,6 +37,7 @@ import torch
 
 from pyreducer._ext import _C
 from pyreducer import arguments, pending
+from pyreducer.fences import Fences
 from pyreducer.tuning.overlap_control import ScheduleTuner
 
 HISTORY = 16  # iterations whose overlap events are kept (the timeline keeps 8 by default)
@@ -152,8 +153,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # step() was called: self.stepped) their update too.
         self.pending: dict[int, list[torch.Tensor]] = {}
         self.bucket_of: dict[int, int] = {}  # id(pending parameter) -> its bucket
-        self.fenced: dict[int, tuple] = {}  # CUDA, in a forward: id(parameter) -> (it, the
-        # event after its bucket's update, the streams that waited for it) (Note [Streams])
+        tensors = params.tensors
+        self.fences = Fences(self, tensors[0].device if tensors else torch.device("cpu"))
         self.stepped = False
         self.clip_due = False
         self.hyper: list[dict] = []  # the param_groups' settings when step() was called
@@ -197,6 +198,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("overlap_optimizer: step(closure) is not supported (the update is "
                              "split into buckets run during the next forward)")
+        self.fences.pass_all()  # this stream waits for early reads' write-backs elsewhere, and
+        # the parameters wear their own class (torch's foreach step wants it)
         if self.stepped:  # a previous step's updates, if no forward ran since
             self._update_all()
         self._step_hooks(self.optimizer._optimizer_step_pre_hooks)
@@ -233,7 +236,12 @@ class OverlapOptimizer(torch.optim.Optimizer):
             hook(self.optimizer, (self.optimizer,), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Parameters still pending have their gradients zeroed right after their update."""
+        """After step(), parameters still pending have their gradients zeroed right after their
+        update. Before step() (or without one: a skipped step), every reduction is completed
+        and every gradient zeroed now, as torch does (the overlap of this step is lost)."""
+        self.fences.pass_all()
+        if self.pending and not self.stepped:
+            self.synchronize()
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if id(p) in self.bucket_of:
@@ -278,7 +286,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def _backward_ended(self) -> None:
         """The Reducer left reductions in flight (autograd thread, after the backward): their
         parameters wear the pending class until read, stepped or synchronized."""
-        self._pass_fences()  # left by a forward that raised (Note [Streams])
+        self.fences.pass_all()  # left by a forward that raised (Note [Streams])
         if self.pending:  # a backward with updates still pending cannot happen (the Reducer
             return        # refuses gradients then); be safe against a re-entrant call
         tensors, layout = self.params.tensors, self.reducer.bucket_layout()
@@ -309,7 +317,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         """Completes every pending update and every reduction still in flight."""
         self._update_all()
         self.reducer.complete_all()
-        self._pass_fences()
+        self.fences.pass_all()
 
     def _set_barrier(self, barrier: bool) -> None:
         """Between iterations: torch DDP's step barrier (every reduction completes at the
@@ -322,8 +330,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def update_parameter(self, param: torch.Tensor) -> None:  # (kept eager: _keep_eager)
         """A read of `param` is coming: its bucket is reduced (and updated if stepped) first."""
         if not self.busy:
-            if id(param) in self.fenced:
-                self._wait_fence(param)
+            if param in self.fences:
+                self.fences.wait(param)
             b = self.bucket_of.get(id(param))
             if b is not None:
                 self._update(b, reading=param)
@@ -337,40 +345,18 @@ class OverlapOptimizer(torch.optim.Optimizer):
     # and stepped on the stream current at its first read; torch DDP steps on the stream current
     # at step(), before the forward, which its side streams then wait for. Here a bucket may be
     # updated on a side stream and read on the main one, which never waited for the side (or
-    # the other way round). So after an update on CUDA in the forward, the bucket's parameters
-    # wear the pending class again (fenced) until the forward ends, and a read on a stream that
-    # has not waited yet for the event recorded after the update makes it wait. The forward's
+    # the other way round). So after an update on CUDA, the bucket's parameters wear the
+    # pending class again (fenced: pyreducer/fences.py) until the fences are passed, and a read
+    # on a stream that has not waited yet for the event recorded after the update makes it
+    # wait. A bucket completed by a read before step() (its averages written into .grad on the
+    # reading stream) is fenced the same way. A clip writes back and scales every bucket on
+    # the stream current then: every later update waits for it. step() and zero_grad() (their
+    # stream waits: after step(), other streams wait for it, as with torch), the forward's
     # end, synchronize(), and the next forward or backward's end (after a forward that raised)
     # pass every fence. Gradients freed after an update are recorded on the update's stream.
-    # A bucket completed by a read before step() (its averages written into .grad on the
-    # reading stream) is fenced the same way, so step() on another stream waits for it, and
-    # so does clipping (every fence, for the stream it runs on). Compiled, not run: no GPU here
-    # (tests/gpu: a two-stream forward, a gradient read on a side stream before step(), each
-    # against torch DDP). On CPU nothing is fenced.
-
-    def _fence(self, group: list, stream) -> None:
-        """After bucket `group`'s update on CUDA `stream` (Note [Streams])."""
-        event = torch.cuda.Event()
-        event.record(stream)
-        for p in group:
-            self.fenced[id(p)] = (p, event, {stream})
-            pending.wear(p, self)
-
-    def _wait_fence(self, param: torch.Tensor) -> None:
-        _, event, waited = self.fenced[id(param)]
-        current = torch.cuda.current_stream(param.device)
-        if current not in waited:
-            current.wait_event(event)
-            waited.add(current)
-
-    def _pass_fences(self) -> None:
-        """Every fenced parameter: its class back, the current stream waiting where it must."""
-        if not self.fenced:
-            return
-        for p, _, _ in self.fenced.values():
-            pending.take_off(p)
-            self._wait_fence(p)
-        self.fenced.clear()
+    # Compiled, not run: no GPU here (tests/gpu: a two-stream forward, a gradient read on a
+    # side stream before step(), each against torch DDP); the bookkeeping runs on CPU with the
+    # CUDA calls recorded (tests/multirank/test_overlap_fences.py). On CPU nothing is fenced.
 
     @torch.no_grad()
     def _update(self, b: int, reading: torch.Tensor | None = None) -> None:
@@ -390,6 +376,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             if self.stepped and self.clip_due:
                 self.clip_due = False
                 self._clip()
+            self.fences.wait_clip()
             self.reducer.complete_bucket(b)
             event["reduced_ns"] = _C.Reducer.now_ns()
             if self.stepped:
@@ -406,8 +393,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.zero_()
-        if reading is not None and reading.is_cuda:
-            self._fence(group, torch.cuda.current_stream(reading.device))
+        if reading is not None:
+            self.fences.fence(group)
         if not self.pending and self.stepped:
             self.zero_mode, self.stepped = None, False
 
@@ -438,11 +425,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
         busy, self.busy = self.busy, True
         try:
             self.reducer.complete_all()
-            for p, _, _ in list(self.fenced.values()):  # written back on other streams
-                self._wait_fence(p)
+            self.fences.wait_all()  # gradients written back on other streams
             params = [p for g in self.optimizer.param_groups for p in g["params"]
                       if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            self.fences.fence_clip()
         finally:
             self.busy = busy
 
@@ -452,7 +439,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         backward, the same on every rank (schedule="fifo": it depends on the bucket count alone;
         "auto": see ScheduleTuner)."""
         self.running = []  # a forward that raised may have left names behind ...
-        self._pass_fences()  # ... and fences
+        self.fences.pass_all()  # ... and fences
         if self.tuner is not None:
             if synced:
                 self.tuner.before_synced_forward()

@@ -123,6 +123,8 @@ CASES = {
     # reductions, so this is correct, without overlap of the update
     "clip_by_user": dict(model="mlp", opt="sgd", user_clip=0.05, ddp=dict(bucket_cap_mb=0.3)),
     "no_sync_2": dict(model="mlp", opt="sgd", micro=2, ddp=dict(bucket_cap_mb=0.3)),
+    # step 2 skipped (a bad batch): zero_grad() alone, its reductions still in flight
+    "skipped_step": dict(model="mlp", opt="adam", skip_step=2, ddp=dict(bucket_cap_mb=0.3)),
     # accumulation without no_sync: every micro-batch's backward is all-reduced, and the next
     # micro-batch's forward completes the previous one's reductions before step()
     "synced_micro_2": dict(model="mlp", opt="adam", micro=2, synced_micro=True,
@@ -203,6 +205,9 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
         if ours:
             deferred.append(len(model.reducer.pending_buckets()))
             chunked += max(model.reducer.launch_chunks()) > 1
+        if step == case.get("skip_step"):
+            opt.zero_grad()
+            continue
         if case.get("user_clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), case["user_clip"])
         elif case.get("clip") and not ours:

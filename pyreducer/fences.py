@@ -1,0 +1,105 @@
+"""The overlapped optimizer's fences on CUDA (Note [Streams] in pyreducer/overlap.py): events
+recorded after a bucket's write-back or update, or after a clip, and which streams have waited
+for each. The bookkeeping is the same on every device; the CUDA calls are in CudaStreams alone,
+which a CPU test replaces with a recorder (tests/multirank/test_overlap_fences.py). On CPU
+nothing is fenced."""
+from __future__ import annotations
+
+import torch
+
+from pyreducer import pending
+
+
+class CudaStreams:
+    """The CUDA calls the fences make."""
+
+    @staticmethod
+    def applies(device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    @staticmethod
+    def current(device: torch.device):
+        return torch.cuda.current_stream(device)
+
+    @staticmethod
+    def record(stream):
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def wait(stream, event) -> None:
+        stream.wait_event(event)
+
+
+class _Fence:
+    """An event recorded on the current stream now, and the streams that have waited for it
+    (that stream among them)."""
+
+    def __init__(self, streams, device: torch.device):
+        stream = streams.current(device)
+        self.event, self.waited, self.device = streams.record(stream), {stream}, device
+
+    def wait(self, streams) -> None:
+        """The current stream waits for the event, once."""
+        current = streams.current(self.device)
+        if current not in self.waited:
+            streams.wait(current, self.event)
+            self.waited.add(current)
+
+
+class Fences:
+    """The fenced parameters of one overlapped optimizer (`owner`: they wear its pending class
+    while fenced), and the fence after a clip.
+
+    Nothing here reads a fenced parameter through torch (not even its .device): that read would
+    come back here through the pending class's __torch_function__."""
+
+    def __init__(self, owner, device: torch.device):
+        self.owner, self.device = owner, device
+        self.streams = CudaStreams()
+        self.fenced: dict[int, tuple[torch.Tensor, _Fence]] = {}
+        self.clip: _Fence | None = None
+
+    def __contains__(self, param: torch.Tensor) -> bool:
+        return id(param) in self.fenced
+
+    def fence(self, group: list) -> None:
+        """After `group`'s write-back (and update) on the current stream: until passed, their
+        reads on another stream wait for it. Call with the group wearing its own class."""
+        if not self.streams.applies(self.device):
+            return
+        fence = _Fence(self.streams, self.device)
+        for p in group:
+            self.fenced[id(p)] = (p, fence)
+            pending.wear(p, self.owner)
+
+    def fence_clip(self) -> None:
+        """After a clip on the current stream wrote back and scaled every bucket's gradients:
+        an update on another stream waits for it (wait_clip) until the fences are passed."""
+        if self.streams.applies(self.device):
+            self.clip = _Fence(self.streams, self.device)
+
+    def wait(self, param: torch.Tensor) -> None:
+        """A read of fenced `param` on the current stream."""
+        self.fenced[id(param)][1].wait(self.streams)
+
+    def wait_clip(self) -> None:
+        if self.clip is not None:
+            self.clip.wait(self.streams)
+
+    def wait_all(self) -> None:
+        """The current stream waits for every fence; the parameters stay fenced."""
+        for _, fence in list(self.fenced.values()):
+            fence.wait(self.streams)
+        self.wait_clip()
+
+    def pass_all(self) -> None:
+        """Every fence passed: the current stream waits for each, the parameters wear their
+        own class again."""
+        for p, fence in self.fenced.values():
+            pending.take_off(p)
+            fence.wait(self.streams)
+        self.fenced.clear()
+        self.wait_clip()
+        self.clip = None

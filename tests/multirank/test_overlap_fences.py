@@ -1,0 +1,158 @@
+"""The overlapped optimizer's fences (Note [Streams] in pyreducer/overlap.py,
+pyreducer/fences.py) run on CPU with their CUDA calls recorded: a recorder stands for the
+streams, and the test says which stream is current. On CUDA they decide which stream waits for
+which write-back; here, that each wait happens where the Note says, that reading a fenced
+parameter does not come back into the fence (it recursed once, unseen: that path had never run),
+and that the training is the same as without the recorder."""
+import torch
+from torch import nn
+
+
+class Recorder:
+    """pyreducer.fences.CudaStreams' calls, recorded; `now` is the current stream."""
+
+    def __init__(self):
+        self.now, self.log, self.count = "main", [], 0
+
+    def applies(self, device) -> bool:
+        return True
+
+    def current(self, device):
+        return self.now
+
+    def record(self, stream):
+        self.count += 1
+        event = f"e{self.count}@{stream}"
+        self.log.append(("record", stream, event))
+        return event
+
+    def wait(self, stream, event) -> None:
+        self.log.append(("wait", stream, event))
+
+
+class TwoStreams(nn.Module):
+    """`a` is read on stream "x", `b` on stream "y" (the recorder's current stream is switched
+    as a forward that forks a side stream would)."""
+
+    def __init__(self, recorder):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.recorder = recorder
+
+    def forward(self, x):
+        if self.recorder is not None:
+            self.recorder.now = "x"
+        h = torch.tanh(self.a(x))
+        if self.recorder is not None:
+            self.recorder.now = "y"
+        out = self.b(h)
+        if self.recorder is not None:
+            self.recorder.now = "main"
+        return out
+
+
+def _setup(rank, recorded: bool, **options):
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(0)
+    recorder = Recorder() if recorded else None
+    model = DistributedDataParallel(TwoStreams(recorder), bucket_cap_mb=1e-6)  # one bucket
+    # per parameter (from the second iteration)
+    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  schedule="fifo", **options)
+    if recorded:
+        opt.fences.streams = recorder
+    gen = torch.Generator().manual_seed(rank)
+    return model, opt, recorder, lambda: torch.randn(4, 8, generator=gen)
+
+
+def _steps(model, opt, batch, n):
+    for _ in range(n):
+        model(batch()).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def early_read_worker(rank, world_size):
+    """A gradient read on stream "side" after backward completes its bucket there; read again
+    on "main", then step() on "main"."""
+    out = {}
+    for recorded in (True, False):
+        model, opt, recorder, batch = _setup(rank, recorded)
+        _steps(model, opt, batch, 2)
+        model(batch()).sum().backward()  # every bucket pending
+        weight = model.module.a.weight
+        if recorded:
+            recorder.log.clear()
+            recorder.now = "side"
+        _ = weight.grad  # completes a.weight's bucket here
+        if recorded:
+            recorder.now = "main"
+        _ = weight.grad
+        if recorded:
+            out["after_reads"] = list(recorder.log)
+        opt.step()
+        if recorded:
+            out["after_step"] = recorder.log[len(out["after_reads"]):]
+            out["classes"] = {n: type(p).__name__ for n, p in model.module.named_parameters()}
+        opt.zero_grad()
+        _steps(model, opt, batch, 2)
+        model.synchronize()
+        out["recorded" if recorded else "plain"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_a_read_on_another_stream_waits_for_an_early_write_back(ranks_once):
+    for rank, r in enumerate(ranks_once(early_read_worker, 2, ())):
+        record = ("record", "side", r["after_reads"][0][2])
+        assert r["after_reads"] == [record, ("wait", "main", record[2])], (rank, r["after_reads"])
+        # step() passes the fence ("main" waited already) and the parameter wears its own class
+        # (torch's foreach step checks it); the buckets still pending keep the pending class
+        assert r["after_step"] == [], r["after_step"]
+        assert r["classes"]["a.weight"] == "Parameter", r["classes"]
+        assert r["classes"]["b.weight"] == "PendingParameter", r["classes"]
+        for recorded, plain in zip(r["recorded"], r["plain"]):
+            assert torch.equal(recorded, plain), f"rank {rank}"
+
+
+def clip_worker(rank, world_size):
+    """max_grad_norm with the forward of TwoStreams: `a`'s first read on "x" clips every bucket
+    there; `b`'s update on "y" must wait for that clip."""
+    out = {}
+    for recorded in (True, False):
+        model, opt, recorder, batch = _setup(rank, recorded, max_grad_norm=0.05)
+        _steps(model, opt, batch, 3)  # the third step's updates pending, clipping due
+        if recorded:
+            recorder.log.clear()
+        loss = model(batch()).sum()
+        if recorded:
+            out["forward"] = list(recorder.log)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if recorded:  # backward, step() and zero_grad() find nothing fenced
+            out["after"] = recorder.log[len(out["forward"]):]
+        _steps(model, opt, batch, 1)
+        model.synchronize()
+        out["recorded" if recorded else "plain"] = [p.detach().clone() for p in model.parameters()]
+    out["buckets"] = len(model.bucket_plan())
+    return out
+
+
+def test_an_update_on_another_stream_waits_for_the_clip(ranks_once):
+    for rank, r in enumerate(ranks_once(clip_worker, 2, ())):
+        assert r["buckets"] == 4, r["buckets"]
+        assert r["after"] == [], r["after"]
+        forward = r["forward"]
+        records = [entry for entry in forward if entry[0] == "record"]
+        clip = records[0][2]  # the clip, on "x", before a's first update
+        assert records[0][1] == "x", forward
+        y_first = next(i for i, entry in enumerate(forward) if entry[1] == "y")
+        assert forward[y_first] == ("wait", "y", clip), forward  # before anything on "y"
+        # a's two buckets fenced on "x", b's two on "y"; at the forward's end "main" waits
+        # for each fence and the clip
+        assert [entry[1] for entry in records] == ["x", "x", "x", "y", "y"], forward
+        waited_by_main = {entry[2] for entry in forward if entry[:2] == ("wait", "main")}
+        assert waited_by_main == {entry[2] for entry in records}, forward
+        for recorded, plain in zip(r["recorded"], r["plain"]):
+            assert torch.equal(recorded, plain), f"rank {rank}"

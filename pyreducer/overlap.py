@@ -399,18 +399,27 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.zero_mode, self.stepped = None, False
 
     def _step_subset(self, members: set, hyper) -> None:
+        """The optimizer's step over the parameters in `members` (ids), with the param_groups'
+        settings `hyper` (step()'s; None: as they are). Afterwards each group has its parameters
+        and settings back, except what the step itself set (a group-level step counter, as some
+        optimizers keep: every bucket starts from step()'s value and leaves its successor)."""
         groups = self.optimizer.param_groups
         saved = [dict(g) for g in groups]
+        given = []
         try:
             for index, g in enumerate(groups):
                 if hyper is not None:
                     g.update(hyper[index])
+                given.append(dict(g))
                 g["params"] = [p for p in g["params"] if id(p) in members]
             self._math_step()
         finally:
-            for g, old in zip(groups, saved):
+            for g, old, start in zip(groups, saved, given):
+                set_by_step = {k: v for k, v in g.items()
+                               if k != "params" and (k not in start or v is not start[k])}
                 g.clear()
                 g.update(old)
+                g.update(set_by_step)
 
     def _math_step(self) -> None:
         """The wrapped optimizer's step on its param_groups as they are: its class's step

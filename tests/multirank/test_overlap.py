@@ -52,7 +52,21 @@ def _build(name):
     return spec.build(), spec.batch, lambda m, b, step: spec.loss(m, b)
 
 
+class CountingSGD(torch.optim.SGD):
+    """SGD whose step counts itself in each param group, as some optimizers keep a group-level
+    counter, and decays its learning rate by it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            g["steps_taken"] = g.get("steps_taken", 0) + 1
+            g["lr"] = 0.05 / g["steps_taken"]
+        return super().step(closure)
+
+
 def _optimizer(kind, params):
+    if kind == "counting_sgd":
+        return CountingSGD(params, lr=0.05, momentum=0.9, foreach=False)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3,
                                foreach=False)
@@ -102,6 +116,7 @@ CASES = {
     "mlp_adam_foreach": dict(model="mlp", opt="adam_foreach", ddp=dict(bucket_cap_mb=0.3)),
     "cnn_sgd_foreach": dict(model="cnn", opt="sgd_foreach", ddp=dict(bucket_cap_mb=0.01)),
     "mlp_adamw": dict(model="mlp", opt="adamw", ddp=dict(bucket_cap_mb=0.1)),
+    "group_counter": dict(model="mlp", opt="counting_sgd", ddp=dict(bucket_cap_mb=0.1)),
     # parameters the optimizer steps outside every bucket: one the wrapper ignores, one not in
     # the model (scaling the loss), and the delayed all-reduce's (torch DDP never waits for
     # it: a barrier after its backward does)
@@ -221,7 +236,8 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
         params["(scale, outside the model)"] = scale.detach().clone()
     buffers = {n: b.detach().clone() for n, b in model.module.named_buffers()}
     state = opt.state_dict()["state"]
-    return dict(params=params, buffers=buffers, deferred=deferred, chunked=chunked,
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return dict(params=params, buffers=buffers, deferred=deferred, chunked=chunked, groups=groups,
                 state={k: {n: v.clone() for n, v in s.items() if torch.is_tensor(v)}
                        for k, s in state.items()})
 
@@ -265,6 +281,7 @@ def _assert_same(ours, theirs, exact, what):
     for kind in ("params", "buffers"):
         for key, value in theirs[kind].items():
             assert _same(ours[kind][key], value, exact), f"{what}: {kind} {key}"
+    assert ours["groups"] == theirs["groups"], f"{what}: param_groups' settings"
     for index, entries in theirs["state"].items():
         for key, value in entries.items():
             assert _same(ours["state"][index][key], value, exact), \

@@ -344,7 +344,8 @@ def main():
                                          latency_under_load_s=loaded.latency_s,
                                          probe_s={str(k): v for k, v in probe.items()}),
                            parity_max_diff=checked, results=results), f, indent=1)
-    del built, opts  # torch DDP's before the group: see pyreducer/testing/elastic_train.py
+    built = opts = None  # the models dropped, torch DDP's before the group (see
+    # pyreducer/testing/elastic_train.py)
     dist.destroy_process_group()
     # Skip interpreter teardown: torch 2.13 + Gloo was seen to abort there ("terminate called
     # without an active exception") after all work was done (see shared NETWORK notes).

@@ -231,3 +231,12 @@ def _replaced_step(optimizer):
     if getattr(step, "_wrapped_by_lr_sched", False):
         step = getattr(step, "__wrapped__", step)
     return None if getattr(step, "__func__", step) is type(optimizer).step else step
+
+
+def refuse_overlap_with(join: bool, check_finite: bool) -> None:
+    """What the wrapper cannot combine with an overlapped optimizer, refused by name."""
+    if join:
+        raise ValueError("pyreducer: overlap_optimizer cannot be created inside join()")
+    if check_finite:
+        raise ValueError("pyreducer: check_finite=True cannot be combined with "
+                         "overlap_optimizer yet (updates run as buckets complete)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.ddp_logging import DDPLogger
 from pyreducer.delayed import DelayedAllReduce
-from pyreducer.overlap import OverlapOptimizer, refuse_overlap_with
+from pyreducer.overlap import OverlapOptimizer
 from pyreducer.join import (ReducerJoinHook, find_common_rank, refuse_unjoinable,
                             vote_backward_sync)
 from pyreducer.params import ReducedParams, reduced_parameters
@@ -241,26 +241,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                 return output
             with self._failures.phase(f"forward of iteration {self.reducer.num_iterations + 1}"):
                 inputs, kwargs = self._pre_forward(inputs, kwargs)
-            with self._overlap_forward():
+            with nullcontext() if self._overlap is None else self._overlap.around_forward(
+                    torch.is_grad_enabled() and self.require_backward_grad_sync):
                 output = self._mixed(*inputs, **kwargs) if self._mixed is not None \
                     else self.module(*inputs, **kwargs)
             return self._post_forward(output)
-
-    @contextmanager
-    def _overlap_forward(self):
-        """With an overlapped optimizer: pending updates happen as the module reads its
-        parameters; the rest when it returns (pyreducer/overlap.py)."""
-        if self._overlap is None:
-            yield
-            return
-        self._overlap.forward_starting(torch.is_grad_enabled()
-                                       and self.require_backward_grad_sync)
-        self._overlap.in_forward = True
-        try:
-            yield
-        finally:
-            self._overlap.in_forward = False
-        self._overlap.forward_ended()
 
     def _pre_forward(self, inputs, kwargs):
         """DDP's collectives before the module runs, in this order on every rank; joined ranks
@@ -443,7 +428,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         (max_grad_norm, schedule, hold_back): see OverlapOptimizer."""
         if self._overlap is not None:
             raise RuntimeError("pyreducer: this wrapper already has an overlapped optimizer")
-        refuse_overlap_with(join=self._join_config.enable,
+        arguments.refuse_overlap_with(join=self._join_config.enable,
                             check_finite=self._reducer_settings["check_finite"])
         self._overlap = OverlapOptimizer(optimizer, self.reducer, self._params, self.module,
                                          tuning=self._tuning, autotune=self._autotune, **options)
@@ -456,6 +441,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         otherwise): parameters and gradients are then final, as after a DDP step."""
         if self._overlap is not None:
             self._overlap.synchronize()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """nn.Module.zero_grad. With an overlapped optimizer, a gradient whose update is pending
+        is zeroed right after it (read now, the update would run now: no overlap)."""
+        if self._overlap is None:
+            return super().zero_grad(set_to_none)
+        self._overlap.zero_grad(set_to_none, params=list(self.parameters()))
 
     # -- torch DDP's private API that research code calls ----------------------------------------
     def _set_static_graph(self) -> None:

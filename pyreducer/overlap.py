@@ -31,6 +31,7 @@ through it would add into gradients still pending).
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
 
 import torch
@@ -67,30 +68,17 @@ class _InertHook:
         return None
 
 
-# Note [Buffers beside deferred reductions]
-# torch DDP broadcasts rank 0's buffers (BatchNorm's running statistics) at the start of every
-# forward (broadcast_buffers=True). With an overlapped optimizer the previous backward's
-# reductions are still in flight then, and on the wrapper's process group the broadcast would
-# queue behind them: Gloo runs a group's collectives from one FIFO (ProcessGroupGloo's worker
-# threads take its work in order), NCCL one communicator's on one stream, in order. The forward
-# would wait for the whole previous step's communication before its first layer, and every model
-# with buffers would lose the overlap. So overlap_optimizer() gives the wrapper a second group
-# over every rank (sync.side_group) where the module has buffers, and the broadcast goes
-# there: the same values, from the same rank, at the same point of the program as torch DDP's,
-# beside the reductions (tests/multirank/test_overlap_beside.py: the group each broadcast used;
-# test_overlap.py: the buffers bit for bit against torch DDP's on the cnn cases). On NCCL the
-# two communicators' kernels then run at once; every rank issues them in the same order. A
-# wrapper over a subgroup keeps its own group, with a warning: a second one would have to be
-# made by every rank of the default group.
-
-
-def refuse_overlap_with(join: bool, check_finite: bool) -> None:
-    """What the wrapper cannot combine with an overlapped optimizer, refused by name."""
-    if join:
-        raise ValueError("pyreducer: overlap_optimizer cannot be created inside join()")
-    if check_finite:
-        raise ValueError("pyreducer: check_finite=True cannot be combined with "
-                         "overlap_optimizer yet (updates run as buckets complete)")
+def _changed(value, before) -> bool:
+    """Whether an optimizer's step set a param_group entry to another value (a tensor: to
+    another tensor; one changed in place is shared anyway)."""
+    if value is before:
+        return False
+    if torch.is_tensor(value) or torch.is_tensor(before):
+        return True
+    try:
+        return bool(value != before)
+    except Exception:  # values that do not compare: set anew
+        return True
 
 
 def _keep_eager() -> None:
@@ -158,7 +146,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.stepped = False
         self.clip_due = False
         self.hyper: list[dict] = []  # the param_groups' settings when step() was called
-        self.zero_mode: bool | None = None  # zero_grad(set_to_none) to apply after updates
+        self.to_zero: dict[int, bool] = {}  # id(pending parameter) -> zero_grad()'s set_to_none,
+        # applied after its update
         self.busy = False  # inside an update: reads pass through
         self.in_forward = False
         # What the timeline shows (see events()): per synced iteration, the next forward's span
@@ -198,11 +187,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("overlap_optimizer: step(closure) is not supported (the update is "
                              "split into buckets run during the next forward)")
-        self.fences.pass_all()  # this stream waits for early reads' write-backs elsewhere, and
-        # the parameters wear their own class (torch's foreach step wants it)
         if self.stepped:  # a previous step's updates, if no forward ran since
             self._update_all()
         self._step_hooks(self.optimizer._optimizer_step_pre_hooks)
+        self.fences.pass_all()  # this stream waits for reads' write-backs on other streams (a
+        # hook's too), and the parameters wear their own class (torch's foreach step wants it)
         if not self.pending:  # nothing in flight: a plain step
             if self.max_grad_norm is not None:
                 self._clip()
@@ -210,15 +199,16 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self._step_done()
             return None
         self.clip_due = self.max_grad_norm is not None
+        # the settings every bucket steps with (a tensor lr is changed in place by schedulers)
+        self.hyper = [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items()
+                       if k != "params"} for g in self.optimizer.param_groups]
         now = [p for g in self.optimizer.param_groups for p in g["params"]
                if id(p) not in self.bucket_of and p.grad is not None]
         if now:  # stepped now; clipping first needs every gradient, reduced
             if self.clip_due:
                 self.clip_due = False
                 self._clip()
-            self._step_subset({id(p) for p in now}, hyper=None)
-        self.hyper = [{k: v for k, v in g.items() if k != "params"}
-                      for g in self.optimizer.param_groups]
+            self._step_subset({id(p) for p in now}, hyper=self.hyper)
         self.stepped = True
         self._step_done()
         return None
@@ -235,24 +225,25 @@ class OverlapOptimizer(torch.optim.Optimizer):
         for hook in list(hooks.values()):
             hook(self.optimizer, (self.optimizer,), {})
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """After step(), parameters still pending have their gradients zeroed right after their
-        update. Before step() (or without one: a skipped step), every reduction is completed
-        and every gradient zeroed now, as torch does (the overlap of this step is lost)."""
+    def zero_grad(self, set_to_none: bool = True, params=None) -> None:
+        """Zeroes the gradients of the optimizer's parameters (or of `params`: the wrapper's
+        zero_grad). After step(), those still pending are zeroed right after their update.
+        Before step() (or without one: a skipped step), every reduction is completed and every
+        gradient zeroed now, as torch does (the overlap of this step is lost)."""
         self.fences.pass_all()
         if self.pending and not self.stepped:
             self.synchronize()
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) in self.bucket_of:
-                    continue
-                with torch.no_grad():
-                    if set_to_none:
-                        p.grad = None
-                    elif p.grad is not None:
-                        p.grad.zero_()
-        if self.pending:
-            self.zero_mode = set_to_none
+        if params is None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for p in params:
+            if id(p) in self.bucket_of:
+                self.to_zero[id(p)] = set_to_none
+                continue
+            with torch.no_grad():
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
 
     @property
     def state(self):
@@ -384,19 +375,19 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 event["updated_ns"] = _C.Reducer.now_ns()
         finally:
             self.busy = False
-        if self.stepped and self.zero_mode is not None:  # (read before step(): stepped then)
-            for p in group:
-                if self.zero_mode:
-                    if p.grad is not None and p.grad.is_cuda:  # freed while this stream (maybe
-                        # not the one it was made on) may still read it: Note [Streams]
-                        p.grad.record_stream(torch.cuda.current_stream(p.device))
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.zero_()
+        for p in group:  # (only after step(): zero_grad() before it zeroes at once)
+            set_to_none = self.to_zero.pop(id(p), None)
+            if set_to_none:
+                if p.grad is not None and p.grad.is_cuda:  # freed while this stream (maybe
+                    # not the one it was made on) may still read it: Note [Streams]
+                    p.grad.record_stream(torch.cuda.current_stream(p.device))
+                p.grad = None
+            elif set_to_none is not None and p.grad is not None:
+                p.grad.zero_()
         if reading is not None:
             self.fences.fence(group)
         if not self.pending and self.stepped:
-            self.zero_mode, self.stepped = None, False
+            self.stepped = False
 
     def _step_subset(self, members: set, hyper) -> None:
         """The optimizer's step over the parameters in `members` (ids), with the param_groups'
@@ -408,15 +399,17 @@ class OverlapOptimizer(torch.optim.Optimizer):
         given = []
         try:
             for index, g in enumerate(groups):
-                if hyper is not None:
-                    g.update(hyper[index])
+                if hyper is not None:  # the group as it was at step() (a key the step added
+                    # since, e.g. its first counter, is not there)
+                    g.clear()
+                    g.update(hyper[index], params=saved[index]["params"])
                 given.append(dict(g))
                 g["params"] = [p for p in g["params"] if id(p) in members]
             self._math_step()
         finally:
             for g, old, start in zip(groups, saved, given):
                 set_by_step = {k: v for k, v in g.items()
-                               if k != "params" and (k not in start or v is not start[k])}
+                               if k != "params" and (k not in start or _changed(v, start[k]))}
                 g.clear()
                 g.update(old)
                 g.update(set_by_step)
@@ -443,6 +436,18 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.busy = busy
 
     # -- the wrapper's forward -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def around_forward(self, synced: bool):
+        """The wrapper's module runs inside: pending updates happen as it reads its parameters,
+        the rest when it returns. `synced`: a backward through this forward will reduce."""
+        self.forward_starting(synced)
+        self.in_forward = True
+        try:
+            yield
+        finally:
+            self.in_forward = False
+        self.forward_ended()
+
     def forward_starting(self, synced: bool) -> None:
         """Before the wrapper's module runs (after any rebuild): the launch order for the coming
         backward, the same on every rank (schedule="fifo": it depends on the bucket count alone;

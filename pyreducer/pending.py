@@ -54,11 +54,18 @@ def _tensors_in(args, kwargs):
 
 def _pending_deepcopy(self, memo):
     """copy.deepcopy: the updated value, in a parameter of the class it had (Parameter's own
-    __deepcopy__ takes type(self) before the read of self.data that updates it). Inside an
-    update, where reads pass through, the parameter is still pending: copied as it is."""
+    __deepcopy__ makes the copy of type(self)). Inside an update, where reads pass through, the
+    parameter is still pending: its value copied as it is. On CUDA an updated parameter may
+    wear the pending class still (fenced, Note [Streams] in pyreducer/overlap.py); the update
+    made the current stream wait for its fence, so it is copied as its own class."""
     overlap = getattr(self, "_pyreducer_overlap", None)
     if overlap is not None:
         overlap.update_parameter(self)
     cls = type(self)
-    return (cls.__mro__[1] if cls.__dict__.get("_pyreducer_pending") else cls).__deepcopy__(
-        self, memo)
+    if not cls.__dict__.get("_pyreducer_pending"):
+        return cls.__deepcopy__(self, memo)
+    self.__class__ = cls.__mro__[1]
+    try:
+        return self.__class__.__deepcopy__(self, memo)
+    finally:
+        self.__class__ = cls

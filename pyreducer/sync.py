@@ -144,13 +144,29 @@ def sync_buffers(params, src: int, group=None) -> None:
         broadcast_coalesced(buffers, params.process_group if group is None else group, src=src)
 
 
+# Note [Buffers beside deferred reductions]
+# torch DDP broadcasts rank 0's buffers (BatchNorm's running statistics) at the start of every
+# forward (broadcast_buffers=True). With an overlapped optimizer the previous backward's
+# reductions are still in flight then, and on the wrapper's process group the broadcast would
+# queue behind them: Gloo runs a group's collectives from one FIFO (ProcessGroupGloo's worker
+# threads take its work in order), NCCL one communicator's on one stream, in order. The forward
+# would wait for the whole previous step's communication before its first layer, and every model
+# with buffers would lose the overlap. So overlap_optimizer() (pyreducer/overlap.py) gives the
+# wrapper a second group over every rank (side_group, below) where the module has buffers, and
+# the broadcast goes there: the same values, from the same rank, at the same point of the program as torch DDP's,
+# beside the reductions (tests/multirank/test_overlap_beside.py: the group each broadcast used;
+# test_overlap.py: the buffers bit for bit against torch DDP's on the cnn cases). On NCCL the
+# two communicators' kernels then run at once; every rank issues them in the same order. A
+# wrapper over a subgroup keeps its own group, with a warning: a second one would have to be
+# made by every rank of the default group.
+
 _side: tuple | None = None  # (the default group, its side group), per process
 
 
 def side_group(group, device: torch.device):
     """A second process group over every rank, with the default group's backend and timeout,
     for collectives that must not queue behind the reductions left in flight on it (Note
-    [Buffers beside deferred reductions] in pyreducer/overlap.py); one per default group and
+    [Buffers beside deferred reductions] above); one per default group and
     process, made by the first caller, shared by the next (collective: every rank of the default
     group, in the same order, as torch.distributed.new_group requires). None where `group` is
     a subgroup (the caller keeps it): its non-members would not call new_group, and

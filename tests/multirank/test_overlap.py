@@ -67,6 +67,8 @@ class CountingSGD(torch.optim.SGD):
 def _optimizer(kind, params):
     if kind == "counting_sgd":
         return CountingSGD(params, lr=0.05, momentum=0.9, foreach=False)
+    if kind == "adam_tensor_lr":  # a scheduler changes it in place (fill_)
+        return torch.optim.Adam(params, lr=torch.tensor(1e-2), foreach=False)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3,
                                foreach=False)
@@ -117,6 +119,11 @@ CASES = {
     "cnn_sgd_foreach": dict(model="cnn", opt="sgd_foreach", ddp=dict(bucket_cap_mb=0.01)),
     "mlp_adamw": dict(model="mlp", opt="adamw", ddp=dict(bucket_cap_mb=0.1)),
     "group_counter": dict(model="mlp", opt="counting_sgd", ddp=dict(bucket_cap_mb=0.1)),
+    # ... with a parameter outside the model, stepped at step(), before the buckets
+    "group_counter_outside": dict(model="mlp", opt="counting_sgd", extra=True,
+                                  ddp=dict(bucket_cap_mb=0.1)),
+    "tensor_lr_scheduler": dict(model="mlp", opt="adam_tensor_lr", scheduler="step",
+                                ddp=dict(bucket_cap_mb=0.1)),
     # parameters the optimizer steps outside every bucket: one the wrapper ignores, one not in
     # the model (scaling the loss), and the delayed all-reduce's (torch DDP never waits for
     # it: a barrier after its backward does)
@@ -138,6 +145,13 @@ CASES = {
     # reductions, so this is correct, without overlap of the update
     "clip_by_user": dict(model="mlp", opt="sgd", user_clip=0.05, ddp=dict(bucket_cap_mb=0.3)),
     "no_sync_2": dict(model="mlp", opt="sgd", micro=2, ddp=dict(bucket_cap_mb=0.3)),
+    # gradients zeroed by the wrapper's zero_grad(), not the optimizer's
+    "module_zero_grad": dict(model="mlp", opt="adam", module_zero=True,
+                             ddp=dict(bucket_cap_mb=0.3)),
+    # a parameter the optimizer leaves out: its gradient accumulates (zero_grad() of the
+    # optimizer does not touch it, though its bucket's others are zeroed)
+    "left_out_of_optimizer": dict(model="mlp", opt="sgd", leave_out="0.bias",
+                                  ddp=dict(bucket_cap_mb=0.3)),
     # step 2 skipped (a bad batch): zero_grad() alone, its reductions still in flight
     "skipped_step": dict(model="mlp", opt="adam", skip_step=2, ddp=dict(bucket_cap_mb=0.3)),
     # accumulation without no_sync: every micro-batch's backward is all-reduced, and the next
@@ -183,7 +197,8 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
         model = cls(module, **case.get("ddp", {}), **extra)
         if case.get("hook"):
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        opt = _optimizer(case["opt"], list(model.parameters()) + ([scale] if scale else []))
+        params = [p for n, p in model.module.named_parameters() if n != case.get("leave_out")]
+        opt = _optimizer(case["opt"], params + ([scale] if scale else []))
         if ours:
             opt = model.overlap_optimizer(opt, max_grad_norm=case.get("clip"),
                                           **_schedule(case, mode))
@@ -195,7 +210,7 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
 
     model, opt, scheduler = build(copy.deepcopy(base))
     gen = torch.Generator().manual_seed(1000 + rank)
-    deferred, chunked = [], 0
+    deferred, chunked, after_zero = [], 0, []
     for step in range(steps):
         if step == resume_at:  # a checkpoint written mid-training, resumed in a new wrapper
             saved = dict(model=copy.deepcopy(model.module.state_dict()),
@@ -223,6 +238,7 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
         if step == case.get("skip_step"):
             opt.zero_grad()
             continue
+        zero_grad = model.zero_grad if case.get("module_zero") else opt.zero_grad
         if case.get("user_clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), case["user_clip"])
         elif case.get("clip") and not ours:
@@ -230,14 +246,19 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
         opt.step()
         if scheduler:
             scheduler.step()
-        opt.zero_grad(set_to_none=case.get("set_to_none", True))
+        zero_grad(set_to_none=case.get("set_to_none", True))
+        if ours:
+            after_zero.append(len(model.reducer.pending_buckets()))
     params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    grads = {n: None if p.grad is None else p.grad.clone()
+             for n, p in model.module.named_parameters()}
     if scale is not None:
         params["(scale, outside the model)"] = scale.detach().clone()
     buffers = {n: b.detach().clone() for n, b in model.module.named_buffers()}
     state = opt.state_dict()["state"]
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return dict(params=params, buffers=buffers, deferred=deferred, chunked=chunked, groups=groups,
+                grads=grads, after_zero=after_zero,
                 state={k: {n: v.clone() for n, v in s.items() if torch.is_tensor(v)}
                        for k, s in state.items()})
 
@@ -282,6 +303,9 @@ def _assert_same(ours, theirs, exact, what):
         for key, value in theirs[kind].items():
             assert _same(ours[kind][key], value, exact), f"{what}: {kind} {key}"
     assert ours["groups"] == theirs["groups"], f"{what}: param_groups' settings"
+    for key, value in theirs["grads"].items():
+        assert (value is None) == (ours["grads"][key] is None), f"{what}: gradient of {key}"
+        assert value is None or _same(ours["grads"][key], value, exact), f"{what}: grad {key}"
     for index, entries in theirs["state"].items():
         for key, value in entries.items():
             assert _same(ours["state"][index][key], value, exact), \
@@ -306,10 +330,14 @@ def test_matches_torch_ddp_bit_for_bit(overlapped, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_updates_were_deferred(overlapped, name):
-    """Every synced backward left reductions in flight for the next forward (the overlap)."""
+    """Every synced backward left reductions in flight for the next forward (the overlap), and
+    zero_grad() (the optimizer's or the wrapper's) after step() left them there."""
     _, _, results = overlapped
     deferred = results[0][name]["ours"]["deferred"]
     assert deferred and all(n > 0 for n in deferred), deferred
+    after_zero = results[0][name]["ours"]["after_zero"]
+    if not CASES[name].get("user_clip"):  # (it reads every gradient before step())
+        assert after_zero and all(n > 0 for n in after_zero), after_zero
 
 
 @pytest.mark.parametrize("name", RESUMED)

@@ -4,6 +4,8 @@ streams, and the test says which stream is current. On CUDA they decide which st
 which write-back; here, that each wait happens where the Note says, that reading a fenced
 parameter does not come back into the fence (it recursed once, unseen: that path had never run),
 and that the training is the same as without the recorder."""
+import copy
+
 import torch
 from torch import nn
 
@@ -95,6 +97,11 @@ def early_read_worker(rank, world_size):
         if recorded:
             out["after_step"] = recorder.log[len(out["after_reads"]):]
             out["classes"] = {n: type(p).__name__ for n, p in model.module.named_parameters()}
+            # a copy reads the pending parameters, each fenced after its update: copied as
+            # Parameter all the same
+            out["copied"] = sorted({type(p).__name__ for p in
+                                    copy.deepcopy(model.module).parameters()})
+            out["after_copy"] = {n: type(p).__name__ for n, p in model.module.named_parameters()}
         opt.zero_grad()
         _steps(model, opt, batch, 2)
         model.synchronize()
@@ -111,6 +118,9 @@ def test_a_read_on_another_stream_waits_for_an_early_write_back(ranks_once):
         assert r["after_step"] == [], r["after_step"]
         assert r["classes"]["a.weight"] == "Parameter", r["classes"]
         assert r["classes"]["b.weight"] == "PendingParameter", r["classes"]
+        assert r["copied"] == ["Parameter"], r["copied"]
+        fenced = {n: c for n, c in r["after_copy"].items() if n != "a.weight"}  # (a.weight: done)
+        assert set(fenced.values()) == {"PendingParameter"}, r["after_copy"]
         for recorded, plain in zip(r["recorded"], r["plain"]):
             assert torch.equal(recorded, plain), f"rank {rank}"
 

@@ -70,11 +70,10 @@ class _InertHook:
 
 def _changed(value, before) -> bool:
     """Whether an optimizer's step set a param_group entry to another value (a tensor: to
-    another tensor; one changed in place is shared anyway)."""
-    if value is before:
-        return False
-    if torch.is_tensor(value) or torch.is_tensor(before):
-        return True
+    another tensor; a tensor the step changes in place is step()'s copy, and that change is
+    not kept: no torch optimizer does it)."""
+    if value is before or torch.is_tensor(value) or torch.is_tensor(before):
+        return value is not before
     try:
         return bool(value != before)
     except Exception:  # values that do not compare: set anew
@@ -146,6 +145,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.stepped = False
         self.clip_due = False
         self.hyper: list[dict] = []  # the param_groups' settings when step() was called
+        self.members: set[int] = set()  # ids of the parameters in them then
         self.to_zero: dict[int, bool] = {}  # id(pending parameter) -> zero_grad()'s set_to_none,
         # applied after its update
         self.busy = False  # inside an update: reads pass through
@@ -202,6 +202,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # the settings every bucket steps with (a tensor lr is changed in place by schedulers)
         self.hyper = [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items()
                        if k != "params"} for g in self.optimizer.param_groups]
+        self.members = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         now = [p for g in self.optimizer.param_groups for p in g["params"]
                if id(p) not in self.bucket_of and p.grad is not None]
         if now:  # stepped now; clipping first needs every gradient, reduced
@@ -278,6 +279,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         """The Reducer left reductions in flight (autograd thread, after the backward): their
         parameters wear the pending class until read, stepped or synchronized."""
         self.fences.pass_all()  # left by a forward that raised (Note [Streams])
+        self.to_zero.clear()  # ... and zeroing due after an update that raised
         if self.pending:  # a backward with updates still pending cannot happen (the Reducer
             return        # refuses gradients then); be safe against a re-entrant call
         tensors, layout = self.params.tensors, self.reducer.bucket_layout()
@@ -371,7 +373,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.reducer.complete_bucket(b)
             event["reduced_ns"] = _C.Reducer.now_ns()
             if self.stepped:
-                self._step_subset({id(p) for p in group}, hyper=self.hyper)
+                self._step_subset({id(p) for p in group} & self.members, hyper=self.hyper)
                 event["updated_ns"] = _C.Reducer.now_ns()
         finally:
             self.busy = False
@@ -399,8 +401,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         given = []
         try:
             for index, g in enumerate(groups):
-                if hyper is not None:  # the group as it was at step() (a key the step added
-                    # since, e.g. its first counter, is not there)
+                if hyper is not None and index < len(hyper):  # the group as at step() (without
+                    # a key the step added since; a group added since has no member stepped)
                     g.clear()
                     g.update(hyper[index], params=saved[index]["params"])
                 given.append(dict(g))

@@ -152,6 +152,9 @@ CASES = {
     # optimizer does not touch it, though its bucket's others are zeroed)
     "left_out_of_optimizer": dict(model="mlp", opt="sgd", leave_out="0.bias",
                                   ddp=dict(bucket_cap_mb=0.3)),
+    # ... then added to it, in a param group of its own, between step() and the next forward
+    "group_added_after_step": dict(model="mlp", opt="sgd", leave_out="0.bias", add_group_at=3,
+                                   ddp=dict(bucket_cap_mb=0.3)),
     # step 2 skipped (a bad batch): zero_grad() alone, its reductions still in flight
     "skipped_step": dict(model="mlp", opt="adam", skip_step=2, ddp=dict(bucket_cap_mb=0.3)),
     # accumulation without no_sync: every micro-batch's backward is all-reduced, and the next
@@ -247,6 +250,9 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
         if scheduler:
             scheduler.step()
         zero_grad(set_to_none=case.get("set_to_none", True))
+        if step == case.get("add_group_at"):
+            left_out = dict(model.module.named_parameters())[case["leave_out"]]
+            opt.add_param_group({"params": [left_out], "lr": 0.01})
         if ours:
             after_zero.append(len(model.reducer.pending_buckets()))
     params = {n: p.detach().clone() for n, p in model.module.named_parameters()}

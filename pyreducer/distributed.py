@@ -429,7 +429,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._overlap is not None:
             raise RuntimeError("pyreducer: this wrapper already has an overlapped optimizer")
         arguments.refuse_overlap_with(join=self._join_config.enable,
-                            check_finite=self._reducer_settings["check_finite"])
+                                      check_finite=self._reducer_settings["check_finite"])
         self._overlap = OverlapOptimizer(optimizer, self.reducer, self._params, self.module,
                                          tuning=self._tuning, autotune=self._autotune, **options)
         if self._params.buffers() and self._params.world_size > 1:

@@ -100,18 +100,16 @@ class _SideStreamRead(torch.nn.Module):
         return self.head(torch.tanh(ha + hb))
 
 
-def two_stream_forward_worker(rank, world_size):
-    """Note [Streams] in pyreducer/overlap.py: the overlapped optimizer with _SideStreamRead (one
-    bucket: the update runs on the side stream at b's read; a's read on the main stream must
-    wait for it) against torch DDP + the same Adam, parameters after 6 steps."""
+def _six_steps_against_torch(base, rank, after_backward=None):
+    """`base` trained for 6 steps with torch DDP + Adam and with pyreducer's overlapped optimizer
+    over the same Adam (schedule="fifo", 25 MB buckets). `after_backward(model)`, if given,
+    runs after each backward; what it returns comes back per step ("torch_reads",
+    "ours_reads"), with each one's parameters and pyreducer's bucket count."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
 
     device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    torch.manual_seed(5)
-    base = _SideStreamRead(_sleep_cycles(0.02))
     out = {}
     for name in ("torch", "ours"):
         cls = TorchDDP if name == "torch" else DistributedDataParallel
@@ -120,8 +118,11 @@ def two_stream_forward_worker(rank, world_size):
         if name == "ours":
             opt = model.overlap_optimizer(opt, schedule="fifo")
         gen = torch.Generator().manual_seed(rank)
+        reads = []
         for _ in range(6):
             model(torch.randn(16, 256, generator=gen).to(device)).pow(2).mean().backward()
+            if after_backward is not None:
+                reads.append(after_backward(model))
             opt.step()
             opt.zero_grad()
         if name == "ours":
@@ -129,7 +130,17 @@ def two_stream_forward_worker(rank, world_size):
             out["buckets"] = len(model.bucket_plan())
         torch.cuda.synchronize(device)
         out[name] = [p.detach().cpu().clone() for p in model.parameters()]
+        out[name + "_reads"] = [r.cpu() for r in reads]
     return out
+
+
+def two_stream_forward_worker(rank, world_size):
+    """Note [Streams] in pyreducer/overlap.py: the overlapped optimizer with _SideStreamRead (one
+    bucket: the update runs on the side stream at b's read; a's read on the main stream must
+    wait for it) against torch DDP + the same Adam, parameters after 6 steps."""
+    torch.cuda.set_device(torch.device("cuda", rank))
+    torch.manual_seed(5)
+    return _six_steps_against_torch(_SideStreamRead(_sleep_cycles(0.02)), rank)
 
 
 def early_read_worker(rank, world_size):
@@ -139,39 +150,18 @@ def early_read_worker(rank, world_size):
     stream; step() then runs on the main stream, which never waits for the side unless the
     optimizer fences the bucket. Against torch DDP + the same Adam: the parameters after 6 steps
     and the gradient norms the side stream read."""
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    from pyreducer import DistributedDataParallel
-
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     lag = _sleep_cycles(0.02)
     torch.manual_seed(5)
-    base = _overlap_model("plain")
-    out = {}
-    for name in ("torch", "ours"):
-        cls = TorchDDP if name == "torch" else DistributedDataParallel
-        model = cls(copy.deepcopy(base).to(device), device_ids=[rank], bucket_cap_mb=25)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
-        if name == "ours":
-            opt = model.overlap_optimizer(opt, schedule="fifo")
-        gen = torch.Generator().manual_seed(rank)
-        current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
-        norms = []
-        for _ in range(6):
-            model(torch.randn(16, 256, generator=gen).to(device)).pow(2).mean().backward()
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(lag)
-                grad = model.module[0].weight.grad  # ours: the bucket completes here
-                grad.record_stream(side)
-                norms.append(grad.norm())
-            opt.step()
-            opt.zero_grad()
-        if name == "ours":
-            model.synchronize()
-            out["buckets"] = len(model.bucket_plan())
-        torch.cuda.synchronize(device)
-        out[name] = [p.detach().cpu().clone() for p in model.parameters()]
-        out[name + "_norms"] = [n.cpu() for n in norms]
-    return out
+    side = torch.cuda.Stream(device)
+
+    def read_on_side(model):
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(lag)
+            grad = model.module[0].weight.grad  # ours: the bucket completes here
+            grad.record_stream(side)
+            return grad.norm()
+
+    return _six_steps_against_torch(_overlap_model("plain"), rank, read_on_side)

@@ -172,7 +172,7 @@ def test_a_bucket_completed_by_a_read_before_step_is_waited_for_by_step():
     no GPU."""
     for rank, result in enumerate(nccl_ranks(early_read_worker, 2)):
         assert result["buckets"] == 1, result["buckets"]
-        for ours, theirs in zip(result["ours_norms"], result["torch_norms"]):
+        for ours, theirs in zip(result["ours_reads"], result["torch_reads"]):
             assert torch.equal(ours, theirs), f"rank {rank}: the side stream read {ours}, " \
                 f"torch DDP's side stream {theirs}"
         for ours, theirs in zip(result["ours"], result["torch"]):

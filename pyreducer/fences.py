@@ -31,21 +31,31 @@ class CudaStreams:
     def wait(stream, event) -> None:
         stream.wait_event(event)
 
+    @staticmethod
+    def record_use(tensor: torch.Tensor, stream) -> None:
+        tensor.record_stream(stream)
+
 
 class _Fence:
-    """An event recorded on the current stream now, and the streams that have waited for it
-    (that stream among them)."""
+    """An event recorded on the current stream now, the streams that have waited for it (that
+    stream among them), and the gradients written before it (`grads`)."""
 
-    def __init__(self, streams, device: torch.device):
+    def __init__(self, streams, device: torch.device, grads=()):
         stream = streams.current(device)
         self.event, self.waited, self.device = streams.record(stream), {stream}, device
+        self.grads = list(grads)
 
-    def wait(self, streams) -> None:
-        """The current stream waits for the event, once."""
-        current = streams.current(self.device)
-        if current not in self.waited:
-            streams.wait(current, self.event)
-            self.waited.add(current)
+    def wait(self, streams, stream=None) -> None:
+        """`stream` (default: the current one) waits for the event, once. The gradients are
+        recorded as used on it: one the write-back allocated on the fence's stream (a locally
+        unused parameter's) goes back to that stream's pool when freed, and the caching
+        allocator must not hand it out again before this stream's work on it is done."""
+        stream = streams.current(self.device) if stream is None else stream
+        if stream not in self.waited:
+            streams.wait(stream, self.event)
+            self.waited.add(stream)
+            for grad in self.grads:
+                streams.record_use(grad, stream)
 
 
 class Fences:
@@ -60,16 +70,31 @@ class Fences:
         self.streams = CudaStreams()
         self.fenced: dict[int, tuple[torch.Tensor, _Fence]] = {}
         self.clip: _Fence | None = None
+        self.home = None  # the stream current at the backward's end (backward_ended)
 
     def __contains__(self, param: torch.Tensor) -> bool:
         return id(param) in self.fenced
 
-    def fence(self, group: list) -> None:
+    def backward_ended(self) -> None:
+        """At the backward's end: every fence passed (a forward that raised leaves some), and
+        the current stream kept as the backward's: torch runs its final callbacks on the
+        stream that called backward(), and after a backward its gradients are ready there."""
+        self.pass_all()
+        if self.streams.applies(self.device):
+            self.home = self.streams.current(self.device)
+
+    def fence(self, group: list, early: bool = False) -> None:
         """After `group`'s write-back (and update) on the current stream: until passed, their
-        reads on another stream wait for it. Call with the group wearing its own class."""
+        reads on another stream wait for it. `early`: a write-back before step(); the
+        backward's stream waits for it now, so that a gradient taken from .grad on the reading
+        stream (a plain tensor, which no fence sees) is ready on it, as with torch. Call with
+        the group wearing its own class (their gradients are read)."""
         if not self.streams.applies(self.device):
             return
-        fence = _Fence(self.streams, self.device)
+        fence = _Fence(self.streams, self.device,
+                       [p.grad for p in group if p.grad is not None])
+        if early and self.home is not None:
+            fence.wait(self.streams, self.home)
         for p in group:
             self.fenced[id(p)] = (p, fence)
             pending.wear(p, self.owner)

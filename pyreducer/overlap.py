@@ -112,9 +112,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
             and the fastest is kept (on every rank alike; see
             pyreducer/tuning/overlap_control.py; schedule_log says what was planned, measured
             and chosen). "fifo": whole buckets in torch DDP's order (with 3 or more ranks, the
-            only schedule whose all-reduce sums are torch DDP's bit for bit). A
-            number: chunks of that many MB, in the planned priority order (planned as "auto"
-            is, without choosing the size).
+            only schedule whose all-reduce sums are torch DDP's bit for bit). A number: chunks
+            of that many MB, in the planned priority order (planned as "auto" is, without
+            choosing the size).
         hold_back: with schedule="fifo": how many of the last buckets (the first layers', full
             last in backward) are launched first-layers-first right after the backward, so
             that the next forward's first reads complete first (Note [Launch order] in
@@ -142,8 +142,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.bucket_of: dict[int, int] = {}  # id(pending parameter) -> its bucket
         tensors = params.tensors
         self.fences = Fences(self, tensors[0].device if tensors else torch.device("cpu"))
-        self.stepped = False
-        self.clip_due = False
+        self.stepped = self.clip_due = False
         self.hyper: list[dict] = []  # the param_groups' settings when step() was called
         self.members: set[int] = set()  # ids of the parameters in them then
         self.to_zero: dict[int, bool] = {}  # id(pending parameter) -> zero_grad()'s set_to_none,
@@ -278,7 +277,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def _backward_ended(self) -> None:
         """The Reducer left reductions in flight (autograd thread, after the backward): their
         parameters wear the pending class until read, stepped or synchronized."""
-        self.fences.pass_all()  # left by a forward that raised (Note [Streams])
+        self.fences.backward_ended()  # (passes the fences a forward that raised left)
         self.to_zero.clear()  # ... and zeroing due after an update that raised
         if self.pending:  # a backward with updates still pending cannot happen (the Reducer
             return        # refuses gradients then); be safe against a re-entrant call
@@ -342,11 +341,13 @@ class OverlapOptimizer(torch.optim.Optimizer):
     # pending class again (fenced: pyreducer/fences.py) until the fences are passed, and a read
     # on a stream that has not waited yet for the event recorded after the update makes it
     # wait. A bucket completed by a read before step() (its averages written into .grad on the
-    # reading stream) is fenced the same way. A clip writes back and scales every bucket on
-    # the stream current then: every later update waits for it. step() and zero_grad() (their
-    # stream waits: after step(), other streams wait for it, as with torch), the forward's
-    # end, synchronize(), and the next forward or backward's end (after a forward that raised)
-    # pass every fence. Gradients freed after an update are recorded on the update's stream.
+    # reading stream) is fenced the same way, and the backward's stream waits for it at once
+    # (a gradient taken from .grad is plain: torch has it ready there). A clip writes back
+    # and scales every bucket on the stream current then: every later update waits for it.
+    # step() and zero_grad() (their stream waits: after step(), other streams wait for it, as
+    # with torch), the forward's end, synchronize(), and the next forward or backward's end
+    # (after a forward that raised) pass every fence. Gradients freed after an update are
+    # recorded on the update's stream, and a fence's gradients on each stream that waits.
     # Compiled, not run: no GPU here (tests/gpu: a two-stream forward, a gradient read on a
     # side stream before step(), each against torch DDP); the bookkeeping runs on CPU with the
     # CUDA calls recorded (tests/multirank/test_overlap_fences.py). On CPU nothing is fenced.
@@ -387,7 +388,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             elif set_to_none is not None and p.grad is not None:
                 p.grad.zero_()
         if reading is not None:
-            self.fences.fence(group)
+            self.fences.fence(group, early=not self.stepped)
         if not self.pending and self.stepped:
             self.stepped = False
 

@@ -168,8 +168,8 @@ def test_a_bucket_updated_on_a_side_stream_is_waited_for_on_the_main_one():
 @needs_gpus(2)
 def test_a_bucket_completed_by_a_read_before_step_is_waited_for_by_step():
     """Note [Streams] in pyreducer/overlap.py: a gradient read on a side stream before step()
-    (the bucket's averages written there); step() on the main stream. Compiled, not run here:
-    no GPU."""
+    (the bucket's averages written there), the tensor read then on the main stream too;
+    step() on the main stream. Compiled, not run here: no GPU."""
     for rank, result in enumerate(nccl_ranks(early_read_worker, 2)):
         assert result["buckets"] == 1, result["buckets"]
         for ours, theirs in zip(result["ours_reads"], result["torch_reads"]):

@@ -31,6 +31,9 @@ class Recorder:
     def wait(self, stream, event) -> None:
         self.log.append(("wait", stream, event))
 
+    def record_use(self, tensor, stream) -> None:
+        self.log.append(("use", stream, tuple(tensor.shape)))
+
 
 class TwoStreams(nn.Module):
     """`a` is read on stream "x", `b` on stream "y" (the recorder's current stream is switched
@@ -89,6 +92,7 @@ def early_read_worker(rank, world_size):
             recorder.now = "side"
         _ = weight.grad  # completes a.weight's bucket here
         if recorded:
+            out["after_side_read"] = list(recorder.log)
             recorder.now = "main"
         _ = weight.grad
         if recorded:
@@ -111,8 +115,14 @@ def early_read_worker(rank, world_size):
 
 def test_a_read_on_another_stream_waits_for_an_early_write_back(ranks_once):
     for rank, r in enumerate(ranks_once(early_read_worker, 2, ())):
+        # the backward's stream ("main") waits at once: a gradient taken from .grad on "side"
+        # is a plain tensor, and torch has it ready there; the gradient is recorded as used on
+        # "main" (the write-back may have allocated it on "side"); the read on "main" then
+        # finds the fence waited for
         record = ("record", "side", r["after_reads"][0][2])
-        assert r["after_reads"] == [record, ("wait", "main", record[2])], (rank, r["after_reads"])
+        expected = [record, ("wait", "main", record[2]), ("use", "main", (8, 8))]
+        assert r["after_side_read"] == expected, (rank, r["after_side_read"])
+        assert r["after_reads"] == expected, (rank, r["after_reads"])
         # step() passes the fence ("main" waited already) and the parameter wears its own class
         # (torch's foreach step checks it); the buckets still pending keep the pending class
         assert r["after_step"] == [], r["after_step"]

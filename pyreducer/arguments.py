@@ -212,6 +212,14 @@ def check_overlap_optimizer(optimizer, module, hold_back: int, schedule) -> bool
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("overlap_optimizer: LBFGS needs a closure that re-evaluates the "
                          "whole model, which cannot be split into per-bucket updates")
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise ValueError("overlap_optimizer: ZeroRedundancyOptimizer steps this rank's whole "
+                         "shard and broadcasts every parameter in each step(), which cannot be "
+                         "split into per-bucket updates (each would step parameters whose "
+                         "all-reduce is still in flight). Step it yourself after backward "
+                         "(torch DDP's step)")
     replaced = _replaced_step(optimizer)
     if replaced is not None:
         warnings.warn(f"overlap_optimizer: {type(optimizer).__name__}.step was replaced on this "

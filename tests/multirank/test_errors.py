@@ -164,6 +164,18 @@ def combinations_worker(rank, world_size):
             joined.overlap_optimizer(torch.optim.SGD(joined.parameters(), lr=0.1))
 
     out["overlap_in_join"] = _capture(overlap_inside_join)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    plain = DistributedDataParallel(nn.Linear(4, 2))
+    for key, make in [
+            ("overlap_lbfgs", lambda: torch.optim.LBFGS(plain.parameters())),
+            ("overlap_zero", lambda: ZeroRedundancyOptimizer(
+                list(plain.parameters()), optimizer_class=torch.optim.SGD, lr=0.1)),
+            ("overlap_not_optimizer", lambda: [p for p in plain.parameters()])]:
+        out[key] = _capture(lambda: plain.overlap_optimizer(make()))
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
+    out["overlap_schedule"] = _capture(lambda: plain.overlap_optimizer(sgd, schedule="lifo"))
+    out["overlap_hold_back"] = _capture(lambda: plain.overlap_optimizer(sgd, hold_back=2))
     from torch.nn.parallel.distributed import _MixedPrecision
 
     out["mixed_rnn"] = _capture(lambda: DistributedDataParallel(
@@ -179,6 +191,12 @@ def combinations_worker(rank, world_size):
     ("join_overlap", ["ValueError", "join() cannot be combined with an overlapped optimizer"]),
     ("closure", ["ValueError", "step(closure) is not supported"]),
     ("overlap_in_join", ["ValueError", "overlap_optimizer cannot be created inside join()"]),
+    ("overlap_lbfgs", ["ValueError", "LBFGS needs a closure"]),
+    ("overlap_zero", ["ValueError", "ZeroRedundancyOptimizer steps this rank's whole shard"]),
+    ("overlap_not_optimizer", ["TypeError", "expects a torch.optim.Optimizer, got list"]),
+    ("overlap_schedule", ["ValueError", "schedule must be 'auto', 'fifo' or a chunk size in MB",
+                          "'lifo'"]),
+    ("overlap_hold_back", ["ValueError", "hold_back applies to schedule='fifo'"]),
 ])
 def test_combinations_that_cannot_work_raise_naming_them(ranks_once, key, words):
     for r in ranks_once(combinations_worker, 2, ()):

@@ -1,7 +1,7 @@
 """The overlapped optimizer (pyreducer/overlap.py) against torch DDP + the same optimizer: same
 seed, same data, the same loop (backward, step, zero_grad); parameters and optimizer state after
-the steps bit for bit (foreach=False implementations, the defaults, and foreach=True, torch's
-default on CUDA), with LR schedulers, gradient clipping, no_sync accumulation, unused parameters,
+the steps bit for bit (foreach=False implementations, the defaults, foreach=True, torch's
+default on CUDA, fused kernels, AMSGrad, RMSprop and Adagrad), with LR schedulers, gradient clipping, no_sync accumulation, unused parameters,
 tied weights, a parameter read outside its module, parameters stepped outside every bucket
 (ignored, delayed all-reduce, not in the model), bucket views, static graph, a communication
 hook, and a checkpoint resumed mid-training. Three passes: 2 ranks with the default schedule ("auto": torch DDP's order until
@@ -94,6 +94,17 @@ def _optimizer(kind, params):
     if kind == "sgd_foreach":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3,
                                foreach=True)
+    # fused kernels (torch has them on CPU too), and other torch optimizers' per-parameter state
+    if kind == "adamw_fused":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+    if kind == "sgd_fused":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3, fused=True)
+    if kind == "adam_amsgrad":
+        return torch.optim.Adam(params, lr=1e-2, amsgrad=True, foreach=False)
+    if kind == "rmsprop":
+        return torch.optim.RMSprop(params, lr=1e-3, momentum=0.9, centered=True, foreach=False)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=1e-2, lr_decay=1e-3, foreach=False)
     raise ValueError(kind)
 
 
@@ -118,6 +129,11 @@ CASES = {
     "mlp_adam_foreach": dict(model="mlp", opt="adam_foreach", ddp=dict(bucket_cap_mb=0.3)),
     "cnn_sgd_foreach": dict(model="cnn", opt="sgd_foreach", ddp=dict(bucket_cap_mb=0.01)),
     "mlp_adamw": dict(model="mlp", opt="adamw", ddp=dict(bucket_cap_mb=0.1)),
+    "mlp_adamw_fused": dict(model="mlp", opt="adamw_fused", ddp=dict(bucket_cap_mb=0.1)),
+    "cnn_sgd_fused": dict(model="cnn", opt="sgd_fused", ddp=dict(bucket_cap_mb=0.01)),
+    "mlp_adam_amsgrad": dict(model="mlp", opt="adam_amsgrad", ddp=dict(bucket_cap_mb=0.1)),
+    "mlp_rmsprop": dict(model="mlp", opt="rmsprop", ddp=dict(bucket_cap_mb=0.1)),
+    "cnn_adagrad": dict(model="cnn", opt="adagrad", ddp=dict(bucket_cap_mb=0.01)),
     "group_counter": dict(model="mlp", opt="counting_sgd", ddp=dict(bucket_cap_mb=0.1)),
     # ... with a parameter outside the model, stepped at step(), before the buckets
     "group_counter_outside": dict(model="mlp", opt="counting_sgd", extra=True,

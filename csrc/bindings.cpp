@@ -337,6 +337,8 @@ void bind_reducer(py::module_& m) {
            RELEASE)
       .def_property_readonly("num_iterations",
                              py::cpp_function(&Reducer::num_iterations, RELEASE))
+      .def_property_readonly("num_backwards",
+                             py::cpp_function(&Reducer::num_backwards, RELEASE))
       .def("backward_stats", &backward_stats)
       .def("last_error", &Reducer::last_error, RELEASE)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"), RELEASE)

@@ -4,6 +4,7 @@
 #include <unordered_set>
 
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 namespace pyreducer {
@@ -38,6 +39,19 @@ std::vector<uint8_t> reachable(const std::vector<at::Tensor>& outputs,
     }
   }
   return result;
+}
+
+bool backward_accumulates_any(const std::vector<torch::autograd::Node*>& accumulators) {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  // Empty: a whole backward, every node runs (the engine fills it only when given inputs).
+  if (exec_info == nullptr || exec_info->empty()) return true;
+  for (torch::autograd::Node* accumulator : accumulators) {
+    auto found = exec_info->find(accumulator);
+    // needed_, not should_execute(): a node only captured (autograd.grad with the parameter
+    // among its inputs) returns its gradient without running, so its hooks never fire
+    if (found != exec_info->end() && found->second.needed_) return true;
+  }
+  return false;
 }
 
 }  // namespace pyreducer

@@ -18,4 +18,10 @@ namespace pyreducer {
 std::vector<uint8_t> reachable(const std::vector<at::Tensor>& outputs,
                                const std::vector<torch::autograd::Node*>& accumulators);
 
+// Whether the backward running on this thread will run any of `accumulators` (accumulate into
+// those parameters' .grad): always for a whole backward; for torch.autograd.grad (which
+// accumulates nothing) or backward(inputs=...), only if one of them is needed. Autograd
+// thread, inside a backward.
+bool backward_accumulates_any(const std::vector<torch::autograd::Node*>& accumulators);
+
 }  // namespace pyreducer

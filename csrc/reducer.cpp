@@ -219,7 +219,8 @@ std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tens
 
 void Reducer::on_backward_start() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (armed_) begin_backward();
+  // Not one that accumulates into no parameter (a gradient penalty's autograd.grad): reducer.h
+  if (armed_ && backward_accumulates_any(accumulator_nodes_)) begin_backward();
 }
 
 void Reducer::begin_backward() {
@@ -456,6 +457,7 @@ void Reducer::finalize() {
     ready_order_complete_ = true;
   }
   finalized_since_forward_ = true;
+  num_backwards_ += 1;
   stats_.comm_end_ns = deferred_ ? 0 : Timeline::now_ns();  // deferred: at the last completion
   stats_.unused.assign(unused_.begin(), unused_.end());
   last_stats_ = stats_;

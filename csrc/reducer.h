@@ -189,6 +189,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Synced forwards so far (torch DDP's num_iterations_).
   int64_t num_iterations() const;
 
+  // Synced backwards ended so far (a joined rank's shadow counts too); a synced forward
+  // without its backward (an evaluation with grad on) counts in num_iterations alone.
+  int64_t num_backwards() const;
+
   // See Note [Deferred completion]. Turning it off completes what is pending. `on_deferred`
   // (may be empty) runs at the end of each backward that left reductions pending, on the
   // autograd thread, outside the Reducer's lock. Python thread, between iterations (also
@@ -243,7 +247,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // The hook body: parameter `index` has its gradient in param.grad. Autograd thread, no GIL.
   void autograd_hook(size_t index);
 
-  // The sink node's backward: the outer backward has started. Autograd thread, no GIL.
+  // The sink node's backward: the outer backward has started; begins the iteration's backward
+  // if this one will accumulate into any parameter. One that accumulates into none (a gradient
+  // penalty's torch.autograd.grad w.r.t. the inputs) is not the iteration's: as in torch DDP,
+  // the reducer stays armed for the backward that follows. Autograd thread, no GIL.
   void on_backward_start();
 
   // End-of-backward callback queued on the autograd engine. Autograd thread, no GIL.
@@ -348,6 +355,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<uint8_t> ready_;  // per parameter
   size_t num_ready_ = 0;
   int64_t num_iterations_ = 0;  // synced forwards so far
+  int64_t num_backwards_ = 0;  // synced backwards ended so far
 
   // Unused parameters (see Note [Unused parameters]).
   std::vector<size_t> unused_;          // marked ready at backward start (is_unused_ below)

@@ -76,6 +76,11 @@ int64_t Reducer::num_iterations() const {
   return num_iterations_;
 }
 
+int64_t Reducer::num_backwards() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return num_backwards_;
+}
+
 BackwardStats Reducer::last_backward_stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return last_stats_;
@@ -138,6 +143,7 @@ void Reducer::shadow_backward() {
     throw std::logic_error("pyreducer: shadow_backward called while a backward is pending");
   }
   num_iterations_ += 1;  // as the training ranks' synced forward counts it
+  num_backwards_ += 1;  // ... and their backward
   const bool used_map = dynamic_find_unused() || static_first_iteration();
   at::NoGradGuard no_grad;
   try {

@@ -168,6 +168,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._averaging is not None:
             self.reducer.register_averaging_hook(self.process_group, **self._averaging)
         self._has_rebuilt_buckets = False
+        self._tune_now, self._tuned_after = False, -1  # see _pre_forward
         self._watch = ParameterWatch(self.module, self._params)  # changed after wrapping: error
         self._logger = DDPLogger(self.reducer, _C.Reducer.now_ns, self._params.sizes_bytes)
         self._logger.construction_data(
@@ -242,7 +243,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             with self._failures.phase(f"forward of iteration {self.reducer.num_iterations + 1}"):
                 inputs, kwargs = self._pre_forward(inputs, kwargs)
             with nullcontext() if self._overlap is None else self._overlap.around_forward(
-                    torch.is_grad_enabled() and self.require_backward_grad_sync):
+                    self._tune_now):
                 output = self._mixed(*inputs, **kwargs) if self._mixed is not None \
                     else self.module(*inputs, **kwargs)
             return self._post_forward(output)
@@ -252,6 +253,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         shadow them (join.py: ReducerJoinHook.main_hook)."""
         self._watch.check(self._params.rank)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        # The tuners act (collectively) at the first synced forward after each synced backward,
+        # not at every synced forward: a forward with grad on one rank only (an evaluation
+        # without no_grad) would have put that rank's collectives out of step.
+        self._tune_now = synced and self.reducer.num_backwards != self._tuned_after
+        if self._tune_now:
+            self._tuned_after = self.reducer.num_backwards
         joined_work = Join.notify_join_context(self)
         if synced:
             self._logger.before_synced_forward(self._has_rebuilt_buckets)
@@ -266,7 +273,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             vote_backward_sync(self._params, synced, joined=False)
             if synced and joined_work is not None and not self._divide_by_initial_world_size:
                 self._training_ranks = joined_work  # the all-reduce of ones: ranks training
-        if synced and self._autotune is not None:
+        if self._tune_now and self._autotune is not None:
             self._autotune.before_forward()
         if self.device_ids:
             device = torch.device(self._params.device.type, self.device_ids[0])

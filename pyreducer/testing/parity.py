@@ -112,6 +112,17 @@ def _plain_loss(model, batch, step, rank):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def gradient_penalty_loss(model, batch, step=0, rank=0):
+    """MSE plus a gradient penalty (WGAN-GP, R1): the gradient of the outputs w.r.t. the inputs,
+    taken through the wrapper by torch.autograd.grad (a backward through the outputs that
+    accumulates into no parameter), squared into the loss."""
+    x, y = batch
+    x = x.detach().requires_grad_(True)
+    out = model(x)
+    grad, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return torch.nn.functional.mse_loss(out, y) + 0.1 * grad.pow(2).sum()
+
+
 def _ids(gen, size):
     return torch.randint(0, 40, (size, 5), generator=gen), torch.randn(size, 4, generator=gen)
 
@@ -132,6 +143,7 @@ def _delay_last_layer(module):
 LOCAL_MODELS = {"branchy": (Branchy, _regression, _branch_loss),
                 "checkpointed": (Checkpointed, _regression, _plain_loss),
                 "mixed_dtypes": (MixedDtypes, _regression, _plain_loss),
+                "penalty": (Branchy, _regression, gradient_penalty_loss),
                 "sparse": (SparseEmbeddings, _ids, _plain_loss),
                 "skips": (SkipsEverywhere, _regression, _same_branch_loss),
                 "skips_static": (SkipsEverywhere, _regression, _plain_loss)}
@@ -152,6 +164,9 @@ SCENARIOS = {
     "find_unused_sgd": dict(model="branchy", opt="sgd", ddp=dict(find_unused_parameters=True)),
     "find_unused_adam_no_sync": dict(model="branchy", opt="adam", micro=2, how="no_sync",
                                      ddp=dict(find_unused_parameters=True)),
+    # torch.autograd.grad through the outputs before the backward (it must not end the
+    # iteration: torch DDP's reducer never sees it)
+    "gradient_penalty": dict(model="penalty", opt="adam", ddp=dict(find_unused_parameters=True)),
     # static_graph: reentrant checkpointing with hooks firing twice, an unused parameter
     "static_graph_checkpoint": dict(model="checkpointed", opt="sgd", ddp=dict(static_graph=True)),
     "static_graph_checkpoint_adam": dict(model="checkpointed", opt="adam",

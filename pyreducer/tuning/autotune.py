@@ -145,7 +145,8 @@ class AutoTuner:
             logger.info("%s", entry)
 
     def before_forward(self) -> None:
-        """Called at the start of every synced forward (grad enabled, sync on)."""
+        """Called at the start of the first synced forward (grad enabled, sync on) after each
+        synced backward, and of the first: on every rank at the same point."""
         if self.phase is Phase.DONE:
             return
         sync.wait_for_device(self.tuning.params.device)  # on CUDA: time the work, not its enqueue

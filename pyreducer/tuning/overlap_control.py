@@ -145,7 +145,8 @@ class ScheduleTuner:
             and not self.held_left and self.planned_for == self.reducer.plan_version()
 
     def before_synced_forward(self) -> None:
-        """Called at the start of every synced forward, before the module runs."""
+        """Called at the start of the first synced forward after each synced backward (and of
+        the first), before the module runs: on every rank at the same point."""
         params = self.tuning.params
         if params.world_size < 2 or (self.autotune is not None and not self.autotune.done):
             return

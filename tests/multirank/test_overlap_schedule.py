@@ -144,6 +144,53 @@ def test_planned_schedule_is_installed_alike_and_keeps_results(ranks_once, world
     assert order[0] == 0  # the last layers' bucket, full first, starts the backward
 
 
+def one_rank_eval_worker(rank, world_size):
+    """Rank 0 alone runs a forward with grad on after every step (an evaluation that forgot
+    no_grad), with the tuners that act collectively at forwards: the overlapped schedule's and
+    bucket_cap_mb="auto"'s. Each acts at the first synced forward after a backward, so the
+    ranks stay in step (counting every synced forward, rank 0 issued its collectives one
+    forward early: a hang). Parameters against torch DDP doing the same."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+    from pyreducer.tuning import AutotuneConfig
+
+    torch.manual_seed(0)
+    base = _model()
+    out = {}
+    for name in ("torch", "overlap", "bucket_autotune"):
+        cls = TorchDDP if name == "torch" else DistributedDataParallel
+        cap = AutotuneConfig(warmup_iterations=2, measure_iterations=2) \
+            if name == "bucket_autotune" else CAP_MB
+        model = cls(copy.deepcopy(base), bucket_cap_mb=cap)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+        if name == "overlap":
+            opt = model.overlap_optimizer(opt)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(14):
+            _train(model, opt, gen, steps=1)
+            if rank == 0:
+                model(torch.randn(2, WIDTH)).sum().item()
+        if name != "torch":
+            model.synchronize()
+        out[name] = [p.detach().clone() for p in model.parameters()]
+        if name == "overlap":
+            out["log"] = [entry["event"] for entry in opt.schedule_log]
+        if name == "bucket_autotune":
+            out["autotune"] = [entry.get("event") for entry in model.autotune_log]
+    return out
+
+
+def test_a_forward_on_one_rank_alone_keeps_the_tuners_in_step(ranks_once):
+    results = ranks_once(one_rank_eval_worker, 2, ())
+    for rank, r in enumerate(results):
+        assert "planned" in r["log"], r["log"]  # the schedule tuner's collectives ran
+        assert r["log"] == results[0]["log"], (rank, r["log"])
+        assert len(r["autotune"]) > 1 and r["autotune"] == results[0]["autotune"], r["autotune"]
+        for ours, theirs in zip(r["overlap"], r["torch"]):
+            assert torch.equal(ours, theirs), f"rank {rank}"
+
+
 def trials_worker(rank, world_size):
     """schedule="auto": the model's best few schedules are each installed and timed, then the
     fastest for good; the same decisions on every rank, and torch DDP's parameters."""

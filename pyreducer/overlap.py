@@ -10,7 +10,8 @@ next forward starts after it. With an overlapped optimizer the loop stays
   - the next forward updates each parameter just before it is read: the first read of a
     parameter waits for its bucket's reduction, writes the averages into .grad, steps the
     bucket's parameters with the user's own optimizer (its param_groups cut down to those
-    parameters, its state shared), and zeroes their gradients as zero_grad() asked;
+    parameters, its state shared: Note [One step, in buckets] in pyreducer/subset_step.py),
+    and zeroes their gradients as zero_grad() asked;
   - whatever the forward did not read is updated at its end, before the next backward.
 Where the update runs: lazily, on the Python thread, just before the read (not in a completion
 callback or a worker thread): the optimizer's math then runs where torch runs it, in order with
@@ -37,7 +38,7 @@ import weakref
 import torch
 
 from pyreducer._ext import _C
-from pyreducer import arguments, pending
+from pyreducer import arguments, pending, subset_step
 from pyreducer.fences import Fences
 from pyreducer.tuning.overlap_control import ScheduleTuner
 
@@ -66,18 +67,6 @@ class _InertHook:
 
     def __call__(self, *args, **kwargs):
         return None
-
-
-def _changed(value, before) -> bool:
-    """Whether an optimizer's step set a param_group entry to another value (a tensor: to
-    another tensor; a tensor the step changes in place is step()'s copy, and that change is
-    not kept: no torch optimizer does it)."""
-    if value is before or torch.is_tensor(value) or torch.is_tensor(before):
-        return value is not before
-    try:
-        return bool(value != before)
-    except Exception:  # values that do not compare: set anew
-        return True
 
 
 def _keep_eager() -> None:
@@ -143,7 +132,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         tensors = params.tensors
         self.fences = Fences(self, tensors[0].device if tensors else torch.device("cpu"))
         self.stepped = self.clip_due = False
-        self.hyper: list[dict] = []  # the param_groups' settings when step() was called
+        self.settings: subset_step.Settings | None = None  # fixed by step()
         self.members: set[int] = set()  # ids of the parameters in them then
         self.to_zero: dict[int, bool] = {}  # id(pending parameter) -> zero_grad()'s set_to_none,
         # applied after its update
@@ -194,13 +183,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if not self.pending:  # nothing in flight: a plain step
             if self.max_grad_norm is not None:
                 self._clip()
-            self._math_step()
+            subset_step.math_step(self.optimizer)
             self._step_done()
             return None
         self.clip_due = self.max_grad_norm is not None
-        # the settings every bucket steps with (a tensor lr is changed in place by schedulers)
-        self.hyper = [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items()
-                       if k != "params"} for g in self.optimizer.param_groups]
+        self.settings = subset_step.Settings(self.optimizer)  # every bucket steps with them
         self.members = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         now = [p for g in self.optimizer.param_groups for p in g["params"]
                if id(p) not in self.bucket_of and p.grad is not None]
@@ -208,7 +195,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             if self.clip_due:
                 self.clip_due = False
                 self._clip()
-            self._step_subset({id(p) for p in now}, hyper=self.hyper)
+            subset_step.step_subset(self.optimizer, {id(p) for p in now}, self.settings)
         self.stepped = True
         self._step_done()
         return None
@@ -220,7 +207,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def _step_hooks(self, hooks) -> None:
         """The wrapped optimizer's own step hooks (its register_step_pre_hook/_post_hook), run
         once per step(), as torch runs them, with its whole param_groups: the per-bucket
-        updates run its math alone (_step_subset). Pre-hooks cannot change step()'s arguments
+        updates run its math alone (pyreducer/subset_step.py). Pre-hooks cannot change step()'s arguments
         here (it has none but the refused closure)."""
         for hook in list(hooks.values()):
             hook(self.optimizer, (self.optimizer,), {})
@@ -367,15 +354,17 @@ class OverlapOptimizer(torch.optim.Optimizer):
             pending.take_off(p)
         self.busy = True
         try:
-            if self.stepped and self.clip_due:
-                self.clip_due = False
-                self._clip()
-            self.fences.wait_clip()
-            self.reducer.complete_bucket(b)
-            event["reduced_ns"] = _C.Reducer.now_ns()
-            if self.stepped:
-                self._step_subset({id(p) for p in group} & self.members, hyper=self.hyper)
-                event["updated_ns"] = _C.Reducer.now_ns()
+            with subset_step.as_step(self.fences.device):  # not the forward's modes
+                if self.stepped and self.clip_due:
+                    self.clip_due = False
+                    self._clip()
+                self.fences.wait_clip()
+                self.reducer.complete_bucket(b)
+                event["reduced_ns"] = _C.Reducer.now_ns()
+                if self.stepped:
+                    subset_step.step_subset(self.optimizer, {id(p) for p in group} & self.members,
+                                            self.settings)
+                    event["updated_ns"] = _C.Reducer.now_ns()
         finally:
             self.busy = False
         for p in group:  # (only after step(): zero_grad() before it zeroes at once)
@@ -391,38 +380,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.fences.fence(group, early=not self.stepped)
         if not self.pending and self.stepped:
             self.stepped = False
-
-    def _step_subset(self, members: set, hyper) -> None:
-        """The optimizer's step over the parameters in `members` (ids), with the param_groups'
-        settings `hyper` (step()'s; None: as they are). Afterwards each group has its parameters
-        and settings back, except what the step itself set (a group-level step counter, as some
-        optimizers keep: every bucket starts from step()'s value and leaves its successor)."""
-        groups = self.optimizer.param_groups
-        saved = [dict(g) for g in groups]
-        given = []
-        try:
-            for index, g in enumerate(groups):
-                if hyper is not None and index < len(hyper):  # the group as at step() (without
-                    # a key the step added since; a group added since has no member stepped)
-                    g.clear()
-                    g.update(hyper[index], params=saved[index]["params"])
-                given.append(dict(g))
-                g["params"] = [p for p in g["params"] if id(p) in members]
-            self._math_step()
-        finally:
-            for g, old, start in zip(groups, saved, given):
-                set_by_step = {k: v for k, v in g.items()
-                               if k != "params" and (k not in start or _changed(v, start[k]))}
-                g.clear()
-                g.update(old)
-                g.update(set_by_step)
-
-    def _math_step(self) -> None:
-        """The wrapped optimizer's step on its param_groups as they are: its class's step
-        without torch's hook wrapper (its hooks run once per step(): _step_hooks) and without
-        an LR scheduler's counting wrapper on the instance."""
-        step = type(self.optimizer).step
-        getattr(step, "__wrapped__", step)(self.optimizer)
 
     def _clip(self) -> None:
         """clip_grad_norm_ over the optimizer's parameters, once every bucket is reduced (the
@@ -440,10 +397,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
     # -- the wrapper's forward -----------------------------------------------------------------
     @contextlib.contextmanager
-    def around_forward(self, synced: bool):
+    def around_forward(self, tune: bool):
         """The wrapper's module runs inside: pending updates happen as it reads its parameters,
-        the rest when it returns. `synced`: a backward through this forward will reduce."""
-        self.forward_starting(synced)
+        the rest when it returns. `tune`: the first synced forward since the last synced
+        backward (the schedule tuner acts there, on every rank alike)."""
+        self.forward_starting(tune)
         self.in_forward = True
         try:
             yield
@@ -451,14 +409,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.in_forward = False
         self.forward_ended()
 
-    def forward_starting(self, synced: bool) -> None:
+    def forward_starting(self, tune: bool) -> None:
         """Before the wrapper's module runs (after any rebuild): the launch order for the coming
         backward, the same on every rank (schedule="fifo": it depends on the bucket count alone;
         "auto": see ScheduleTuner)."""
         self.running = []  # a forward that raised may have left names behind ...
         self.fences.pass_all()  # ... and fences
         if self.tuner is not None:
-            if synced:
+            if tune:
                 self.tuner.before_synced_forward()
         else:
             count = len(self.reducer.bucket_layout())

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pyreducer.testing.parity import _delay_last_layer
+from pyreducer.testing.parity import _delay_last_layer, gradient_penalty_loss
 
 STEPS = 6
 
@@ -64,7 +64,43 @@ class CountingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+class InstanceCountingSGD(torch.optim.Optimizer):
+    """Plain SGD that counts its steps on the instance (`self.t`), its lr decaying by it."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=0.05))
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.t += 1
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"] / self.t)
+
+
+class MatmulSGD(torch.optim.Optimizer):
+    """SGD preconditioned by a matmul of the gradient (as Shampoo-like optimizers' steps do):
+    under the forward's autocast it would run in bfloat16."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=0.05))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    m = p.grad.reshape(p.grad.shape[0], -1)
+                    p.add_((m @ m.t() @ m).view_as(p) / (m.norm() ** 2 + 1e-3), alpha=-g["lr"])
+
+
 def _optimizer(kind, params):
+    if kind == "instance_counter":
+        return InstanceCountingSGD(params)
+    if kind == "matmul_sgd":
+        return MatmulSGD(params)
     if kind == "counting_sgd":
         return CountingSGD(params, lr=0.05, momentum=0.9, foreach=False)
     if kind == "adam_tensor_lr":  # a scheduler changes it in place (fill_)
@@ -138,6 +174,13 @@ CASES = {
     # ... with a parameter outside the model, stepped at step(), before the buckets
     "group_counter_outside": dict(model="mlp", opt="counting_sgd", extra=True,
                                   ddp=dict(bucket_cap_mb=0.1)),
+    "instance_counter": dict(model="mlp", opt="instance_counter", ddp=dict(bucket_cap_mb=0.1)),
+    # the forward under autocast (each update runs at a read inside it); an eval forward under
+    # inference_mode right after the first step (the updates there create Adam's state)
+    "autocast_forward": dict(model="mlp", opt="matmul_sgd", autocast=True,
+                             ddp=dict(bucket_cap_mb=0.1)),
+    "inference_mode_eval": dict(model="mlp", opt="adam", inference_eval=0,
+                                ddp=dict(bucket_cap_mb=0.1)),
     "tensor_lr_scheduler": dict(model="mlp", opt="adam_tensor_lr", scheduler="step",
                                 ddp=dict(bucket_cap_mb=0.1)),
     # parameters the optimizer steps outside every bucket: one the wrapper ignores, one not in
@@ -161,6 +204,8 @@ CASES = {
     # reductions, so this is correct, without overlap of the update
     "clip_by_user": dict(model="mlp", opt="sgd", user_clip=0.05, ddp=dict(bucket_cap_mb=0.3)),
     "no_sync_2": dict(model="mlp", opt="sgd", micro=2, ddp=dict(bucket_cap_mb=0.3)),
+    # torch.autograd.grad w.r.t. the inputs through the outputs, then the backward
+    "gradient_penalty": dict(model="mlp", opt="adam", penalty=True, ddp=dict(bucket_cap_mb=0.1)),
     # gradients zeroed by the wrapper's zero_grad(), not the optimizer's
     "module_zero_grad": dict(model="mlp", opt="adam", module_zero=True,
                              ddp=dict(bucket_cap_mb=0.3)),
@@ -247,7 +292,9 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
                 with model.no_sync():
                     loss_fn(model, batch, step).backward()
                 continue
-            loss = loss_fn(model, batch, step)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(case.get("autocast"))):
+                loss = gradient_penalty_loss(model, batch) if case.get("penalty") else \
+                    loss_fn(model, batch, step)
             (loss * scale if scale is not None else loss).backward()
             if case.get("barrier") and not ours:
                 dist.barrier()
@@ -271,6 +318,9 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
             opt.add_param_group({"params": [left_out], "lr": 0.01})
         if ours:
             after_zero.append(len(model.reducer.pending_buckets()))
+        if step == case.get("inference_eval"):
+            with torch.inference_mode():
+                model(batch[0])
     params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     grads = {n: None if p.grad is None else p.grad.clone()
              for n, p in model.module.named_parameters()}

@@ -251,6 +251,16 @@ void Reducer::autograd_hook(size_t index) {
 }
 
 void Reducer::on_gradient(size_t index) {
+  if (!armed_ && finalized_since_forward_) {
+    throw std::runtime_error(
+        "pyreducer: parameter " + param_names_[index] + " on rank " +
+        std::to_string(group_->getRank()) +
+        " received a gradient from a backward that no forward of the wrapper preceded (a "
+        "second backward through one forward, or one through model.module or a submodule "
+        "called directly): the last forward's gradients were reduced already, and this one "
+        "would stay local (un-averaged). Run each forward through the wrapper, or use "
+        "no_sync() for deliberate local accumulation.");
+  }
   if (num_awaiting_ > 0) {  // See Note [Deferred completion]
     throw std::runtime_error(
         "pyreducer: parameter " + param_names_[index] + " on rank " +
@@ -263,17 +273,7 @@ void Reducer::on_gradient(size_t index) {
       params_[index].grad().defined()) {
     locally_used_[index] = 1;  // also under no_sync: see Note [Unused parameters]
   }
-  if (!armed_) {
-    if (finalized_since_forward_) {
-      throw std::runtime_error(
-          "pyreducer: parameter " + param_names_[index] + " on rank " +
-          std::to_string(group_->getRank()) +
-          " received a gradient from a second backward after this forward's gradients were "
-          "already averaged; that gradient would stay local (un-averaged). Run a forward "
-          "before each backward, or use no_sync() for deliberate local accumulation.");
-    }
-    return;
-  }
+  if (!armed_) return;
   begin_backward();
   if (static_first_iteration()) {
     hook_counts_[index] += 1;  // reduced all at once in finalize_backward

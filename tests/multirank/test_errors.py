@@ -183,6 +183,48 @@ def combinations_worker(rank, world_size):
     return out
 
 
+def second_backward_worker(rank, world_size):
+    """Backwards that would leave a gradient un-averaged, refused in the backward: a second
+    backward through one forward (torch DDP keeps its gradient local, silently), plain and with
+    an overlapped optimizer (its reductions still in flight: that message named them once, and
+    its advice did not fit); and, overlapped, a backward through a submodule's own forward."""
+    from pyreducer import DistributedDataParallel
+
+    out = {}
+    for name in ("plain", "overlapped"):
+        model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+                                        bucket_cap_mb=1e-6)
+        if name == "overlapped":
+            model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        loss = model(torch.randn(3, 4)).sum()
+        loss.backward(retain_graph=True)
+        out[f"twice_{name}"] = _capture(lambda: loss.backward())
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+                                    bucket_cap_mb=1e-6)
+    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    out["submodule_backward"] = _capture(
+        lambda: model.module[1](torch.randn(3, 4)).sum().backward())
+    return out
+
+
+@pytest.mark.parametrize("key,words", [
+    ("twice_plain", ["parameter 1.", "second backward through one forward", "un-averaged"]),
+    ("twice_overlapped", ["parameter 1.", "second backward through one forward",
+                          "un-averaged"]),
+    ("submodule_backward", ["parameter 1.", "a submodule called directly", "un-averaged",
+                            "Run each forward through the wrapper"]),
+])
+def test_a_gradient_that_would_stay_local_is_refused_by_name(ranks_once, key, words):
+    for rank, r in enumerate(ranks_once(second_backward_worker, 2, ())):
+        error = r[key]["error"]
+        assert error is not None, f"{key}: nothing raised"
+        assert f"on rank {rank}" in error, error
+        for word in words:
+            assert word in error, error
+
+
 @pytest.mark.parametrize("key,words", [
     ("builtin_hook_sparse", ["ValueError", "embed.weight", "sparse gradients"]),
     ("join_skip", ["ValueError", "join() cannot be combined with skip_all_reduce_unused_params"]),

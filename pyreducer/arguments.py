@@ -23,6 +23,25 @@ def default_group():
     return dist.group.WORLD
 
 
+def check_picklable(process_group, delayed: bool, overlapped: bool) -> None:
+    """What a wrapper needs to be pickled (torch.save, copy.deepcopy), refused by name."""
+    if process_group != default_group():
+        raise RuntimeError(
+            "DDP Pickling/Unpickling are only supported when using DDP with the default "
+            "process group. That is, when you have called init_process_group and have not "
+            "passed process_group argument to DDP constructor (pyreducer: this wrapper's "
+            f"group has ranks {dist.get_process_group_ranks(process_group)}).")
+    if delayed:
+        raise RuntimeError("pyreducer: a wrapper with delay_all_reduce_named_params cannot be "
+                           "pickled (its hook on param_to_hook_all_reduce would be lost); "
+                           "save the module's state_dict instead")
+    if overlapped:
+        raise RuntimeError("pyreducer: a wrapper with an overlapped optimizer cannot be "
+                           "pickled or deep-copied (torch.save, copy.deepcopy; "
+                           "swa_utils.AveragedModel copies what it is given): copy model.module, "
+                           "or save model.state_dict() and the optimizer's state_dict()")
+
+
 def autotune_request(bucket_cap_mb):
     """(AutotuneConfig or None, the cap to start with): "auto" tunes with the default config
     and starts from DDP's default caps."""

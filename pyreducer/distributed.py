@@ -191,21 +191,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __getstate__(self):
         """The wrapper without its process group and engine, which __setstate__ builds again
         (on the default group: only a wrapper on the default group can be pickled, as in DDP)."""
-        if self.process_group != arguments.default_group():
-            raise RuntimeError(
-                "DDP Pickling/Unpickling are only supported when using DDP with the default "
-                "process group. That is, when you have called init_process_group and have not "
-                "passed process_group argument to DDP constructor (pyreducer: this wrapper's "
-                "group has ranks "
-                f"{dist.get_process_group_ranks(self.process_group)}).")
-        if self._delayed is not None:
-            raise RuntimeError("pyreducer: a wrapper with delay_all_reduce_named_params cannot be "
-                               "pickled (its hook on param_to_hook_all_reduce would be lost); "
-                               "save the module's state_dict instead")
+        arguments.check_picklable(self.process_group, self._delayed is not None,
+                                  self._overlap is not None)
         state = dict(self.__dict__)
-        if self._overlap is not None:
-            raise RuntimeError("pyreducer: a wrapper with an overlapped optimizer cannot be "
-                               "pickled; save model.state_dict() and the optimizer's state_dict()")
         for name in ("process_group", "reducer", "_params", "_tuning", "_autotune", "_recorder",
                      "_logger", "_watch", "_failures"):
             state.pop(name)
@@ -253,9 +241,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         shadow them (join.py: ReducerJoinHook.main_hook)."""
         self._watch.check(self._params.rank)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
-        # The tuners act (collectively) at the first synced forward after each synced backward,
-        # not at every synced forward: a forward with grad on one rank only (an evaluation
-        # without no_grad) would have put that rank's collectives out of step.
+        # The tuners act (collectively) at the first synced forward after each synced backward:
+        # at every one, a forward with grad on one rank alone put its collectives out of step.
         self._tune_now = synced and self.reducer.num_backwards != self._tuned_after
         if self._tune_now:
             self._tuned_after = self.reducer.num_backwards
@@ -432,9 +419,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         """An optimizer whose updates overlap the next forward: each bucket's parameters are
         updated with `optimizer`'s own math just before the next forward reads them (Note
         [Overlapped step] in pyreducer/overlap.py; the loop does not change). Options
-        (max_grad_norm, schedule, hold_back): see OverlapOptimizer."""
+        (max_grad_norm, schedule, hold_back): see OverlapOptimizer. Called again, it replaces
+        the previous one (whose pending updates are done first, and whose step() then raises)."""
         if self._overlap is not None:
-            raise RuntimeError("pyreducer: this wrapper already has an overlapped optimizer")
+            self._overlap, replaced = None, self._overlap
+            replaced.remove()
         arguments.refuse_overlap_with(join=self._join_config.enable,
                                       check_finite=self._reducer_settings["check_finite"])
         self._overlap = OverlapOptimizer(optimizer, self.reducer, self._params, self.module,

@@ -131,7 +131,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.bucket_of: dict[int, int] = {}  # id(pending parameter) -> its bucket
         tensors = params.tensors
         self.fences = Fences(self, tensors[0].device if tensors else torch.device("cpu"))
-        self.stepped = self.clip_due = False
+        self.stepped = self.clip_due = self.removed = False
         self.settings: subset_step.Settings | None = None  # fixed by step()
         self.members: set[int] = set()  # ids of the parameters in them then
         self.to_zero: dict[int, bool] = {}  # id(pending parameter) -> zero_grad()'s set_to_none,
@@ -175,6 +175,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("overlap_optimizer: step(closure) is not supported (the update is "
                              "split into buckets run during the next forward)")
+        if self.removed:
+            raise RuntimeError("overlap_optimizer: this overlapped optimizer was replaced by "
+                               "another (model.overlap_optimizer called again): step that one")
         if self.stepped:  # a previous step's updates, if no forward ran since
             self._update_all()
         self._step_hooks(self.optimizer._optimizer_step_pre_hooks)
@@ -452,7 +455,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.synchronize()
 
     def remove(self) -> None:
+        """Detaches this optimizer from the wrapper (model.overlap_optimizer called again):
+        every pending update done, the hooks removed, backward completing its reductions."""
         self.synchronize()
         for handle in self.handles:
             handle.remove()
         self.reducer.set_deferred_completion(False)
+        self.removed = True

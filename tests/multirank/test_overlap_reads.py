@@ -151,7 +151,50 @@ def pickle_worker(rank, world_size):
 
 def test_overlapped_wrapper_refuses_pickling_by_name(ranks_once):
     for message in ranks_once(pickle_worker, 2, ()):
-        assert message and "overlapped optimizer cannot be pickled" in message, message
+        assert message and "overlapped optimizer cannot be pickled or deep-copied" in message, \
+            message
+
+
+def replace_worker(rank, world_size):
+    """Overlapped Adam for 3 steps, then model.overlap_optimizer(SGD) again: the second
+    replaces the first (its pending updates done), against torch DDP switching optimizers at
+    the same step; the first's step() then raises."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(3)
+    base = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    out = {}
+    for name in ("torch", "ours"):
+        model = (TorchDDP if name == "torch" else DistributedDataParallel)(
+            copy.deepcopy(base), bucket_cap_mb=1e-6)
+        gen = torch.Generator().manual_seed(rank)
+        first = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+        opt = model.overlap_optimizer(first) if name == "ours" else first
+        for step in range(6):
+            if step == 3:
+                second = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9,
+                                         foreach=False)
+                old, opt = opt, model.overlap_optimizer(second) if name == "ours" else second
+            model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if name == "ours":
+            model.synchronize()
+            try:
+                old.step()
+            except RuntimeError as error:
+                out["old_step"] = str(error)
+        out[name] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_overlap_optimizer_called_again_replaces_the_first(ranks_once):
+    for rank, r in enumerate(ranks_once(replace_worker, 2, ())):
+        assert "was replaced by another" in r.get("old_step", ""), r.get("old_step")
+        for ours, theirs in zip(r["ours"], r["torch"]):
+            assert torch.equal(ours, theirs), f"rank {rank}"
 
 
 def replaced_step_worker(rank, world_size):

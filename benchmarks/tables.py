@@ -9,6 +9,7 @@ Columns that a run did not measure are shown as "-".
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -71,6 +72,62 @@ def first_read_ms(entry: dict, variant: str, ranks: int) -> float | None:
     return max(0.0, allreduce_ms - head_start_ms)
 
 
+@functools.lru_cache(maxsize=None)
+def first_read(model: str) -> tuple[str, dict[str, int]]:
+    """The first module with parameters whose forward runs in `model`'s forward (a bench model
+    of pyreducer.testing.models; leaf modules), and its parameters' bytes by name: the next
+    forward computes nothing before their update, and all that follows reads its output."""
+    import torch
+
+    from pyreducer.testing.models import spec
+
+    s = spec(model)
+    net = s.build()
+    order: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda *_, name=name: order.append(name))
+             for name, m in net.named_modules()
+             if not any(True for _ in m.children()) and any(True for _ in m.parameters())]
+    with torch.no_grad():
+        s.loss(net, s.batch(torch.Generator().manual_seed(0), 2))
+    for hook in hooks:
+        hook.remove()
+    name = order[0]
+    return name, {f"{name}.{p}": t.numel() * t.element_size()
+                  for p, t in net.get_submodule(name).named_parameters()}
+
+
+def model_bytes(model: str) -> int:
+    """All of a bench model's parameters' bytes (a tied parameter once)."""
+    from pyreducer.testing.models import spec
+
+    return sum(t.numel() * t.element_size() for t in spec(model).build().parameters())
+
+
+def exact_bound_ms(run: dict, entry: dict, variant: str) -> float | None:
+    """A lower bound on the step of any exact schedule, whatever its buckets, chunks and order,
+    on a machine where communication costs the compute nothing: the compute alone (forward +
+    backward + step, measured without communication) plus the all-reduce of the first module's
+    parameters (first_read), less the part of it that could run before the backward ends (from
+    when their last gradient was ready in the variant's last record); and no less than one flat
+    all-reduce of all gradients (measured). Their sums must be exactly torch DDP's, so that
+    all-reduce starts no earlier than their gradients are complete, and the next forward starts
+    no earlier than it ends. It is taken as their share of the flat all-reduce's time: no more
+    than it takes alone (the flat one's latency is spread over more bytes). None without a
+    record or a compute split."""
+    split = entry.get("compute_split_ms")
+    records = entry.get(f"{variant}_timeline", [])
+    if not split or not records or run["hosts"] < 2:
+        return None
+    _, first = first_read(run["model"])
+    record = records[-1]
+    ready_ns = max(g["ready_ns"] for g in record["grads"] if g["name"] in first)
+    head_start_ms = max(0, record["backward_end_ns"] - ready_ns) * 1e-6
+    share = sum(first.values()) / model_bytes(run["model"])
+    exposed_ms = max(0.0, share * run["comm_only_ms"] - head_start_ms)
+    compute_ms = split["forward"] + split["backward"] + split["step"]
+    return max(compute_ms + exposed_ms, run["comm_only_ms"])
+
+
 def main_table(doc: dict) -> str:
     head = ["link", "hosts", "model", "cap", "compute", "torch DDP", "pyreducer", "auto",
             "pyreducer / DDP (95% CI)", "auto / DDP (95% CI)", "bound", "DDP / bound",
@@ -129,11 +186,12 @@ def overlap_table(doc: dict, variant: str = "overlap") -> str:
     floor with contention (compute slowed as it is beside communication), that plus the
     first read's exposed all-reduce (first_read_ms), the share of the
     probed bandwidth the profiled backwards got (schedule.loaded_link), the schedule chosen
-    and its prediction against the benchmark's time."""
+    and its prediction against the benchmark's time; and the exact bound (exact_bound_ms) over
+    the floor: above 1.10, no exact schedule meets the floor target even without contention."""
     head = ["link", "hosts", "model", "cap", "torch DDP", "auto (barrier)", variant,
             f"{variant} / DDP (95% CI)", f"{variant} / auto", "floor", f"{variant} / floor",
             "floor with contention", f"{variant} / it", "+ first read", f"{variant} / it",
-            "link scale", "schedule chosen", "predicted / measured"]
+            "link scale", "schedule chosen", "predicted / measured", "exact bound / floor"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in doc["runs"]:
         for cap, e in run["results"].items():
@@ -146,6 +204,7 @@ def overlap_table(doc: dict, variant: str = "overlap") -> str:
             first = first_read_ms(e, variant, run["hosts"])
             bound = None if first is None or "contended_floor_ms" not in e else \
                 e["contended_floor_ms"] + first
+            exact = exact_bound_ms(run, e, variant)
             if chosen:
                 schedule = chosen["describe"]
                 predicted = f"{chosen['predicted_ms'] / e[variant]['median_ms']:.2f}"
@@ -159,7 +218,9 @@ def overlap_table(doc: dict, variant: str = "overlap") -> str:
                 _over(e, variant, "contended_floor_ms"),
                 "-" if bound is None else f"{bound:.1f}",
                 "-" if bound is None else f"{e[variant]['median_ms'] / bound:.3f}",
-                "-" if scale is None else f"{scale:.2f}", schedule, predicted]) + " |")
+                "-" if scale is None else f"{scale:.2f}", schedule, predicted,
+                "-" if exact is None or "floor_ms" not in e else
+                f"{exact / e['floor_ms']:.3f}"]) + " |")
     return "\n".join(lines)
 
 

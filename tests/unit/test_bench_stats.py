@@ -68,7 +68,7 @@ def test_overlap_table_against_the_targets():
     lines = tables.overlap_table(doc).splitlines()
     assert len(lines) == 3  # the cap without the overlap variant has no row
     assert "| 0.600 (0.600-0.600) | 0.800 | 200.0 | 1.200 | 230.0 | 1.043 |" in lines[2]
-    assert lines[2].endswith("| 0.80 | chunks of 4 MB, 10 all-reduces | 1.05 |")
+    assert lines[2].endswith("| 0.80 | chunks of 4 MB, 10 all-reduces | 1.05 | - |")
     entry["overlap_schedule"][0] = {"event": "planned"}  # records from before loaded_link
     assert "| 1.043 | - | - | - | chunks of 4 MB" in tables.overlap_table(doc).splitlines()[2]
 
@@ -89,6 +89,37 @@ def test_first_read_is_the_exposed_part_of_the_first_read_buckets_all_reduce():
     # 4 ranks: ring factor 1.5
     assert tables.first_read_ms(entry, "overlap", 4) == pytest.approx(29.0)
     assert tables.first_read_ms({"overlap_schedule": [{"event": "planned"}]}, "overlap", 2) is None
+
+
+def test_first_read_is_the_first_leaf_module_the_forward_runs():
+    assert tables.first_read("mlp") == ("0", {"0.weight": 32 * 288 * 4, "0.bias": 288 * 4})
+    # the transformer's token embedding, tied to its output layer: read first, reduced last
+    assert tables.first_read("transformer") == ("tokens", {"tokens.weight": 8192 * 256 * 4})
+    assert tables.model_bytes("tied") == 4 * (64 * 32 + 2 * (32 * 32 + 32))  # tied once
+
+
+def test_exact_bound_adds_the_first_modules_share_of_the_flat_all_reduce():
+    ms = 1_000_000
+    first = 4 * (32 * 288 + 288)  # "mlp": the first layer's bytes, of all its parameters'
+    share = first / tables.model_bytes("mlp")
+    # its gradients ready 2 ms before the backward's end: that much could run before
+    record = dict(backward_end_ns=500 * ms, grads=[
+        dict(name="0.weight", ready_ns=498 * ms), dict(name="0.bias", ready_ns=497 * ms),
+        dict(name="2.weight", ready_ns=300 * ms)])
+    entry = {"compute_split_ms": {"forward": 60.0, "backward": 120.0, "step": 20.0},
+             "overlap_timeline": [dict(record, backward_end_ns=0), record]}
+    run = {"model": "mlp", "hosts": 2, "comm_only_ms": 100.0}
+    assert tables.exact_bound_ms(run, entry, "overlap") == pytest.approx(
+        200.0 + share * 100.0 - 2.0)
+    # communication-bound: the flat all-reduce is the bound
+    assert tables.exact_bound_ms(dict(run, comm_only_ms=900.0), entry, "overlap") == 900.0
+    # gradients ready long before the backward's end expose nothing
+    record["grads"][0]["ready_ns"] = 10 * ms
+    record["grads"][1]["ready_ns"] = 10 * ms
+    assert tables.exact_bound_ms(run, entry, "overlap") == pytest.approx(200.0)
+    assert tables.exact_bound_ms(dict(run, hosts=1), entry, "overlap") is None
+    assert tables.exact_bound_ms(run, {"compute_split_ms": entry["compute_split_ms"]},
+                                 "overlap") is None
 
 
 def test_overlap_model_validation_recomputes_predictions_from_the_logged_profile():

@@ -99,6 +99,27 @@ class Fences:
             self.fenced[id(p)] = (p, fence)
             pending.wear(p, self.owner)
 
+    def settle(self, group: list) -> None:
+        """After `group`'s write-back (and update) on the current stream that no read asked
+        for (synchronize(), state_dict(), zero_grad() before step(), ...): if that is not the
+        backward's stream, the backward's stream waits for it now, as after an early read (work
+        queued there next, a step() or a forward, must see the averages and updates, as with
+        torch), and the gradients are recorded as used there. Nothing is fenced: every such
+        caller passes the fences next."""
+        if not self.streams.applies(self.device) or self.home is None:
+            return
+        if self.streams.current(self.device) != self.home:
+            _Fence(self.streams, self.device,
+                   [p.grad for p in group if p.grad is not None]).wait(self.streams, self.home)
+
+    def record_freed(self, grad: torch.Tensor) -> None:
+        """`grad`, freed after its update on the current stream, is recorded as used there: it
+        may have been allocated on another stream (a locally unused parameter's, by a
+        write-back there), and the caching allocator must not hand it out again before this
+        stream's work on it is done."""
+        if self.streams.applies(self.device):
+            self.streams.record_use(grad, self.streams.current(self.device))
+
     def fence_clip(self) -> None:
         """After a clip on the current stream wrote back and scaled every bucket's gradients:
         an update on another stream waits for it (wait_clip) until the fences are passed."""

@@ -336,8 +336,13 @@ class OverlapOptimizer(torch.optim.Optimizer):
     # and scales every bucket on the stream current then: every later update waits for it.
     # step() and zero_grad() (their stream waits: after step(), other streams wait for it, as
     # with torch), the forward's end, synchronize(), and the next forward or backward's end
-    # (after a forward that raised) pass every fence. Gradients freed after an update are
-    # recorded on the update's stream, and a fence's gradients on each stream that waits.
+    # (after a forward that raised) pass every fence. A bucket completed where no read asked
+    # for it (synchronize(), state_dict(), zero_grad() before step(), on a side stream) is not
+    # fenced: the backward's stream waits for it at once (Fences.settle). Gradients freed after
+    # an update are recorded on the update's stream, and a fence's gradients on each stream
+    # that waits. After the forward, its updates are in its stream's order alone: a stream that
+    # reads parameters then must wait for that stream (with torch DDP, waiting for the stream
+    # of step() sufficed: here the updates run in the forward).
     # Compiled, not run: no GPU here (tests/gpu: a two-stream forward, a gradient read on a
     # side stream before step(), each against torch DDP); the bookkeeping runs on CPU with the
     # CUDA calls recorded (tests/multirank/test_overlap_fences.py). On CPU nothing is fenced.
@@ -373,14 +378,15 @@ class OverlapOptimizer(torch.optim.Optimizer):
         for p in group:  # (only after step(): zero_grad() before it zeroes at once)
             set_to_none = self.to_zero.pop(id(p), None)
             if set_to_none:
-                if p.grad is not None and p.grad.is_cuda:  # freed while this stream (maybe
-                    # not the one it was made on) may still read it: Note [Streams]
-                    p.grad.record_stream(torch.cuda.current_stream(p.device))
+                if p.grad is not None:
+                    self.fences.record_freed(p.grad)  # Note [Streams]
                 p.grad = None
             elif set_to_none is not None and p.grad is not None:
                 p.grad.zero_()
         if reading is not None:
             self.fences.fence(group, early=not self.stepped)
+        else:  # synchronize(), state_dict(), ...: the backward's stream waits now
+            self.fences.settle(group)
         if not self.pending and self.stepped:
             self.stepped = False
 

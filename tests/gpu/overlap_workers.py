@@ -172,3 +172,26 @@ def early_read_worker(rank, world_size):
         return torch.stack([on_side, on_main])
 
     return _six_steps_against_torch(_overlap_model("plain"), rank, read_on_side)
+
+
+def unread_completion_worker(rank, world_size):
+    """Note [Streams] in pyreducer/overlap.py (Fences.settle): after each backward, the module's
+    state_dict() is taken on a side stream (after side.wait_stream(current), then a ~20 ms sleep
+    there): ours completes every bucket there, with no read asking for it. The gradient is then
+    read on the main stream, and step() runs there, which never waits for the side unless the
+    optimizer makes it. Against torch DDP + the same Adam: the parameters after 6 steps and the
+    gradient norms read on the main stream."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    lag = _sleep_cycles(0.02)
+    torch.manual_seed(5)
+    side = torch.cuda.Stream(device)
+
+    def state_dict_on_side(model):
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(lag)
+            model.module.state_dict()  # ours: every bucket completes here
+        return model.module[0].weight.grad.norm()  # the main stream
+
+    return _six_steps_against_torch(_overlap_model("plain"), rank, state_dict_on_side)

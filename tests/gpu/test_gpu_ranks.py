@@ -11,7 +11,8 @@ from gpu_workers import (allreduce_busbw_gbps, averaging_worker, big_bucket_work
                          check_finite_worker, join_fp16_worker, mixed_precision_worker,
                          no_set_device_worker, sparse_on_nccl_worker, strides_worker,
                          two_streams_worker)
-from overlap_workers import early_read_worker, overlap_worker, two_stream_forward_worker
+from overlap_workers import (early_read_worker, overlap_worker, two_stream_forward_worker,
+                             unread_completion_worker)
 from pyreducer.testing.parity import SCENARIOS, parity_worker
 
 # The parity scenarios on NCCL: all but the sparse ones (NCCL has no sparse all-reduce; see
@@ -175,6 +176,19 @@ def test_a_bucket_completed_by_a_read_before_step_is_waited_for_by_step():
         for ours, theirs in zip(result["ours_reads"], result["torch_reads"]):
             assert torch.equal(ours, theirs), f"rank {rank}: the side stream read {ours}, " \
                 f"torch DDP's side stream {theirs}"
+        for ours, theirs in zip(result["ours"], result["torch"]):
+            assert torch.equal(ours, theirs), f"rank {rank}"
+
+
+@needs_gpus(2)
+def test_a_completion_no_read_asked_for_on_a_side_stream_is_waited_for_by_step():
+    """Note [Streams] in pyreducer/overlap.py (Fences.settle): the module's state_dict() on a
+    side stream before step() completes every bucket there; the gradient is read and step()
+    runs on the main stream. Compiled, not run here: no GPU."""
+    for rank, result in enumerate(nccl_ranks(unread_completion_worker, 2)):
+        for ours, theirs in zip(result["ours_reads"], result["torch_reads"]):
+            assert torch.equal(ours, theirs), f"rank {rank}: the main stream read {ours}, " \
+                f"torch DDP's {theirs}"
         for ours, theirs in zip(result["ours"], result["torch"]):
             assert torch.equal(ours, theirs), f"rank {rank}"
 

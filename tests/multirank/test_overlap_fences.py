@@ -174,5 +174,67 @@ def test_an_update_on_another_stream_waits_for_the_clip(ranks_once):
         assert [entry[1] for entry in records] == ["x", "x", "x", "y", "y"], forward
         waited_by_main = {entry[2] for entry in forward if entry[:2] == ("wait", "main")}
         assert waited_by_main == {entry[2] for entry in records}, forward
+        # zero_grad() after step() frees each gradient after its update, recorded as used on
+        # the update's stream first
+        freed = sorted(entry[1:] for entry in forward if entry[0] == "use")
+        assert freed == [("x", (8,)), ("x", (8, 8)), ("y", (2,)), ("y", (2, 8))], forward
+        for recorded, plain in zip(r["recorded"], r["plain"]):
+            assert torch.equal(recorded, plain), f"rank {rank}"
+
+
+def unread_completion_worker(rank, world_size):
+    """Buckets completed where no read asked for them, on stream "side": opt.state_dict()
+    before step() (write-backs alone), then after step() (updates)."""
+    out = {}
+    for recorded in (True, False):
+        model, opt, recorder, batch = _setup(rank, recorded)
+        _steps(model, opt, batch, 2)
+        for phase in ("before_step", "after_step"):
+            model(batch()).sum().backward()  # every bucket pending
+            if phase == "after_step":
+                opt.step()
+                opt.zero_grad()
+            if recorded:
+                recorder.log.clear()
+                recorder.now = "side"
+            opt.state_dict()
+            if recorded:
+                out[phase] = list(recorder.log)
+                recorder.log.clear()
+                recorder.now = "main"
+            if phase == "before_step":  # a plain step: nothing is pending any more
+                opt.step()
+                opt.zero_grad()
+                if recorded:
+                    out["plain_step"] = list(recorder.log)
+        _steps(model, opt, batch, 2)
+        model.synchronize()
+        out["recorded" if recorded else "plain"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def _each_waited_for_by_main(log):
+    """The events recorded in `log`, each on "side" and waited for by "main" right after."""
+    events = []
+    for i, entry in enumerate(log):
+        if entry[0] == "record":
+            assert entry[1] == "side" and log[i + 1] == ("wait", "main", entry[2]), log
+            events.append(entry[2])
+    return events
+
+
+def test_a_completion_no_read_asked_for_is_waited_for_by_the_backwards_stream(ranks_once):
+    shapes = [(2,), (2, 8), (8,), (8, 8)]
+    for rank, r in enumerate(ranks_once(unread_completion_worker, 2, ())):
+        # before step(): each bucket written back on "side"; "main" (the backward's stream,
+        # where step() then reads .grad) waits for each, and the gradient is used there
+        before = r["before_step"]
+        assert len(_each_waited_for_by_main(before)) == 4, before
+        assert sorted(e[2] for e in before if e[:2] == ("use", "main")) == shapes, before
+        assert r["plain_step"] == [], r["plain_step"]
+        # after step() and zero_grad(): each bucket updated on "side", its gradient freed there
+        after = r["after_step"]
+        assert len(_each_waited_for_by_main(after)) == 4, after
+        assert sorted(e[2] for e in after if e[:2] == ("use", "side")) == shapes, after
         for recorded, plain in zip(r["recorded"], r["plain"]):
             assert torch.equal(recorded, plain), f"rank {rank}"

@@ -7,7 +7,8 @@ then, outside the forward. A bucket's update is one call of the class's step on 
 param_groups cut down to the bucket's parameters, so that each call must see what the single
 call would have seen:
   - each param group's settings as at step() (Settings; a tensor lr is copied: a scheduler
-    changes it in place before the next forward);
+    changes it in place before the next forward), and only the groups of step(): a group
+    added since is stepped from the next step() on, as torch does;
   - the optimizer's own scalar attributes as at step(): a counter some optimizers keep on the
     instance (`self.t += 1`) starts every bucket from step()'s value, and its successor is kept.
     A group-level counter is treated the same way;
@@ -77,13 +78,17 @@ def step_subset(optimizer, members: set, settings: Settings | None) -> None:
     None: as they are). Afterwards each group has its parameters and settings back, and the
     instance its scalars, except what the step itself set."""
     groups = optimizer.param_groups
+    # Groups added since step() are left out (torch steps them from the next step() on): run
+    # over with no member, a step's group-level counter there would advance once per bucket.
+    kept = len(groups) if settings is None else min(len(groups), len(settings.groups))
+    added = groups[kept:]
+    del groups[kept:]  # (in place: the overlapped optimizer shares this list)
     saved = [dict(g) for g in groups]
     saved_scalars = _scalars(optimizer)
     given, given_scalars = [], saved_scalars
     try:
         for index, g in enumerate(groups):
-            if settings is not None and index < len(settings.groups):  # the group as at step()
-                # (without a key the step added since; a group added since has no member)
+            if settings is not None:  # the group as at step() (without a key added since)
                 g.clear()
                 g.update(settings.groups[index], params=saved[index]["params"])
             given.append(dict(g))
@@ -102,6 +107,7 @@ def step_subset(optimizer, members: set, settings: Settings | None) -> None:
             g.clear()
             g.update(old)
             g.update(set_by_step)
+        groups.extend(added)
         now = _scalars(optimizer)
         for key, value in saved_scalars.items():
             setattr(optimizer, key, value)

@@ -216,6 +216,9 @@ CASES = {
     # ... then added to it, in a param group of its own, between step() and the next forward
     "group_added_after_step": dict(model="mlp", opt="sgd", leave_out="0.bias", add_group_at=3,
                                    ddp=dict(bucket_cap_mb=0.3)),
+    # ... with a group-level counter (counted once per bucket in the new group, as found)
+    "group_added_after_step_counter": dict(model="mlp", opt="counting_sgd", leave_out="0.bias",
+                                           add_group_at=3, ddp=dict(bucket_cap_mb=0.1)),
     # step 2 skipped (a bad batch): zero_grad() alone, its reductions still in flight
     "skipped_step": dict(model="mlp", opt="adam", skip_step=2, ddp=dict(bucket_cap_mb=0.3)),
     # accumulation without no_sync: every micro-batch's backward is all-reduced, and the next

@@ -220,6 +220,9 @@ def check_overlap_optimizer(optimizer, module, hold_back: int, schedule) -> bool
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"overlap_optimizer expects a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    if hasattr(optimizer, "schedule_log"):  # an OverlapOptimizer (not imported: a cycle)
+        raise TypeError("overlap_optimizer expects the optimizer to overlap, got an overlapped "
+                        "optimizer: pass the optimizer it wraps (its .optimizer)")
     scripted = [name or "(root)" for name, m in module.named_modules()
                 if isinstance(m, torch.jit.ScriptModule)]
     if scripted:

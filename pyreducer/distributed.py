@@ -421,13 +421,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         [Overlapped step] in pyreducer/overlap.py; the loop does not change). Options
         (max_grad_norm, schedule, hold_back): see OverlapOptimizer. Called again, it replaces
         the previous one (whose pending updates are done first, and whose step() then raises)."""
-        if self._overlap is not None:
-            self._overlap, replaced = None, self._overlap
-            replaced.remove()
         arguments.refuse_overlap_with(join=self._join_config.enable,
                                       check_finite=self._reducer_settings["check_finite"])
         self._overlap = OverlapOptimizer(optimizer, self.reducer, self._params, self.module,
-                                         tuning=self._tuning, autotune=self._autotune, **options)
+                                         tuning=self._tuning, autotune=self._autotune,
+                                         replacing=self._overlap, **options)
         if self._params.buffers() and self._params.world_size > 1:
             self._buffer_group = sync.side_group(self._params.process_group, self._params.device)
         return self._overlap

@@ -110,12 +110,16 @@ class OverlapOptimizer(torch.optim.Optimizer):
             csrc/reducer.h). 0: torch DDP's order.
         tuning, autotune: the wrapper's BucketTuning and AutoTuner (schedule="auto" waits for
             the bucket autotune to decide).
+        replacing: the wrapper's previous overlapped optimizer, removed once the arguments
+            are accepted (a refused replacement leaves it working).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, reducer, params, module,
                  max_grad_norm: float | None = None, hold_back: int = 0, schedule: str = "auto",
-                 tuning=None, autotune=None):
+                 tuning=None, autotune=None, replacing: OverlapOptimizer | None = None):
         fixed_mb = arguments.check_overlap_optimizer(optimizer, module, hold_back, schedule)
+        if replacing is not None:
+            replacing.remove()
         _keep_eager()
         super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups],
                          optimizer.defaults)

@@ -158,7 +158,8 @@ def test_overlapped_wrapper_refuses_pickling_by_name(ranks_once):
 def replace_worker(rank, world_size):
     """Overlapped Adam for 3 steps, then model.overlap_optimizer(SGD) again: the second
     replaces the first (its pending updates done), against torch DDP switching optimizers at
-    the same step; the first's step() then raises."""
+    the same step; the first's step() then raises. At step 2, two refused replacements (LBFGS,
+    and the overlapped optimizer itself) leave the first working."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
@@ -173,6 +174,12 @@ def replace_worker(rank, world_size):
         first = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
         opt = model.overlap_optimizer(first) if name == "ours" else first
         for step in range(6):
+            if step == 2 and name == "ours":
+                for refused in (torch.optim.LBFGS(model.parameters()), opt):
+                    try:
+                        model.overlap_optimizer(refused)
+                    except (TypeError, ValueError) as error:
+                        out.setdefault("refused", []).append(str(error))
             if step == 3:
                 second = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9,
                                          foreach=False)
@@ -193,6 +200,9 @@ def replace_worker(rank, world_size):
 def test_overlap_optimizer_called_again_replaces_the_first(ranks_once):
     for rank, r in enumerate(ranks_once(replace_worker, 2, ())):
         assert "was replaced by another" in r.get("old_step", ""), r.get("old_step")
+        lbfgs, itself = r["refused"]
+        assert "LBFGS needs a closure" in lbfgs, lbfgs
+        assert "got an overlapped optimizer: pass the optimizer it wraps" in itself, itself
         for ours, theirs in zip(r["ours"], r["torch"]):
             assert torch.equal(ours, theirs), f"rank {rank}"
 

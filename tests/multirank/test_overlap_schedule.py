@@ -145,11 +145,14 @@ def test_planned_schedule_is_installed_alike_and_keeps_results(ranks_once, world
 
 
 def one_rank_eval_worker(rank, world_size):
-    """Rank 0 alone runs a forward with grad on after every step (an evaluation that forgot
+    """Rank 0 alone runs a forward with grad on between steps (an evaluation that forgot
     no_grad), with the tuners that act collectively at forwards: the overlapped schedule's and
     bucket_cap_mb="auto"'s. Each acts at the first synced forward after a backward, so the
     ranks stay in step (counting every synced forward, rank 0 issued its collectives one
-    forward early: a hang). Parameters against torch DDP doing the same."""
+    forward early: a hang). Parameters against torch DDP doing the same. The evaluation comes
+    before a step, never after the last one: there rank 0's tuner, if still tuning, would
+    act with no training forward on rank 1 to meet it (as torch DDP's buffer broadcast would
+    at any forward on one rank), and whether it still tunes then depends on the timing."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
@@ -167,10 +170,10 @@ def one_rank_eval_worker(rank, world_size):
         if name == "overlap":
             opt = model.overlap_optimizer(opt)
         gen = torch.Generator().manual_seed(rank)
-        for _ in range(14):
-            _train(model, opt, gen, steps=1)
-            if rank == 0:
+        for step in range(14):
+            if rank == 0 and step > 0:
                 model(torch.randn(2, WIDTH)).sum().item()
+            _train(model, opt, gen, steps=1)
         if name != "torch":
             model.synchronize()
         out[name] = [p.detach().clone() for p in model.parameters()]

@@ -7,6 +7,7 @@ Each function takes the user's values and returns what the wrapper keeps.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -234,9 +235,11 @@ def check_overlap_optimizer(optimizer, module, hold_back: int, schedule) -> bool
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("overlap_optimizer: LBFGS needs a closure that re-evaluates the "
                          "whole model, which cannot be split into per-bucket updates")
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    # Not imported here: importing torch.distributed.optim keeps the default process group of
+    # that moment alive for good (its threads too, after destroy_process_group()); an instance
+    # exists only where the user imported it.
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
         raise ValueError("overlap_optimizer: ZeroRedundancyOptimizer steps this rank's whole "
                          "shard and broadcasts every parameter in each step(), which cannot be "
                          "split into per-bucket updates (each would step parameters whose "

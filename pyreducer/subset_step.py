@@ -21,9 +21,11 @@ inside a step (a global gradient norm) are computed per bucket: that cannot be d
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -68,9 +70,25 @@ def as_step(device: torch.device):
 def math_step(optimizer) -> None:
     """The optimizer's step on its param_groups as they are: its class's step without torch's
     hook wrapper (the hooks run once per step() of the overlapped optimizer) and without an
-    LR scheduler's counting wrapper on the instance."""
+    LR scheduler's counting wrapper on the instance. A parent class's step that torch hooked
+    too (a subclass's step calling super().step()) runs no step hook either: the hooks are
+    set aside meanwhile (torch's global ones too: a step on another thread in that window
+    would miss them)."""
     step = type(optimizer).step
-    getattr(step, "__wrapped__", step)(optimizer)
+    own = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    everyone = [hooks for hooks in (torch_optimizer._global_optimizer_pre_hooks,
+                                    torch_optimizer._global_optimizer_post_hooks) if hooks]
+    saved = [dict(hooks) for hooks in everyone]
+    optimizer._optimizer_step_pre_hooks = collections.OrderedDict()
+    optimizer._optimizer_step_post_hooks = collections.OrderedDict()
+    for hooks in everyone:
+        hooks.clear()
+    try:
+        getattr(step, "__wrapped__", step)(optimizer)
+    finally:
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = own
+        for hooks, kept in zip(everyone, saved):
+            hooks.update(kept)
 
 
 def step_subset(optimizer, members: set, settings: Settings | None) -> None:

@@ -327,23 +327,35 @@ def test_grad_scaler_skips_the_non_finite_step_as_with_torch_ddp(ranks_once):
         assert _equal(r["ours"]["params"], r["torch"]["params"])
 
 
+class _SubSGD(torch.optim.SGD):
+    """A subclass whose step calls its parent's: torch hooks both classes' step (once an SGD
+    exists), so torch runs the step hooks twice per step."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
 def hooks_worker(rank, world_size):
     """Step hooks (the wrapped optimizer's, the overlapped one's, torch's global ones) run once
-    per step() as with torch's optimizer, not once per bucket update; an LR scheduler built on
-    the wrapped optimizer gives torch DDP's results, without torch's warning that it stepped
-    before the optimizer (whose updates come later)."""
+    per step() as with torch's optimizer, not once per bucket update, also where the class's
+    step calls a parent's step that torch hooked too; an LR scheduler built on the wrapped
+    optimizer gives torch DDP's results, without torch's warning that it stepped before the
+    optimizer (whose updates come later)."""
     import warnings
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     out = {}
-    for name, model in _torch_ddp_and_ours():
-        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    subclassed = ((name + "_sub", model) for name, model in _torch_ddp_and_ours())
+    for name, model in [*_torch_ddp_and_ours(), *subclassed]:
+        cls = _SubSGD if name.endswith("_sub") else torch.optim.SGD
+        inner = cls(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
         calls = []
         inner.register_step_pre_hook(lambda *args: calls.append("inner pre"))
         inner.register_step_post_hook(lambda *args: calls.append("inner post"))
         scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
-        opt = model.overlap_optimizer(inner, schedule="fifo") if name == "ours" else inner
+        opt = model.overlap_optimizer(inner, schedule="fifo") if name.startswith("ours") \
+            else inner
         handle = register_optimizer_step_post_hook(lambda *args: calls.append("global post"))
         gen = torch.Generator().manual_seed(rank)
         with warnings.catch_warnings(record=True) as caught:
@@ -365,3 +377,8 @@ def test_step_hooks_run_once_per_step_and_a_scheduler_on_the_wrapped_optimizer_w
             ["inner pre", "inner post", "global post"] * 4, r["ours"]["calls"]
         assert not [w for w in r["ours"]["warnings"] if "lr_scheduler" in w], r["ours"]["warnings"]
         assert all(torch.equal(a, b) for a, b in zip(r["ours"]["params"], r["torch"]["params"]))
+        # the subclass: once per step() (torch runs its own hooks twice there, once per class)
+        assert r["ours_sub"]["calls"] == ["inner pre", "inner post", "global post"] * 4, \
+            r["ours_sub"]["calls"]
+        assert all(torch.equal(a, b) for a, b in zip(r["ours_sub"]["params"],
+                                                     r["torch_sub"]["params"]))

@@ -1,6 +1,7 @@
 """Rank functions of the GPU kit for the overlapped optimizer (Note [Overlapped step] and Note
 [Streams] in pyreducer/overlap.py): NCCL ranks against torch DDP + the same Adam, with CUDA
 streams that do not wait for each other unless the code under test makes them."""
+import contextlib
 import copy
 
 import torch
@@ -143,6 +144,26 @@ def two_stream_forward_worker(rank, world_size):
     return _six_steps_against_torch(_SideStreamRead(_sleep_cycles(0.02)), rank)
 
 
+def _side_stream(rank):
+    """For the side-stream workers: the rank's device made current, the seed, and a side
+    stream; `late()` runs its block on the side stream once that stream waited for the current
+    one and slept ~20 ms there, so that a missing wait on the main stream shows."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    lag = _sleep_cycles(0.02)
+    torch.manual_seed(5)
+    side = torch.cuda.Stream(device)
+
+    @contextlib.contextmanager
+    def late():
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(lag)
+            yield
+
+    return device, side, late
+
+
 def early_read_worker(rank, world_size):
     """Note [Streams] in pyreducer/overlap.py: after each backward, a gradient is read on a side
     stream (after side.wait_stream(current), then a ~20 ms sleep there) before step(): the
@@ -152,16 +173,10 @@ def early_read_worker(rank, world_size):
     main stream at once, without a wait (torch has it ready there after the backward). Against
     torch DDP + the same Adam: the parameters after 6 steps and the gradient norms each stream
     read."""
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    lag = _sleep_cycles(0.02)
-    torch.manual_seed(5)
-    side = torch.cuda.Stream(device)
+    device, side, late = _side_stream(rank)
 
     def read_on_side(model):
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(lag)
+        with late():
             grad = model.module[0].weight.grad  # ours: the bucket completes here
             grad.record_stream(side)
             on_side = grad.norm()
@@ -181,16 +196,10 @@ def unread_completion_worker(rank, world_size):
     read on the main stream, and step() runs there, which never waits for the side unless the
     optimizer makes it. Against torch DDP + the same Adam: the parameters after 6 steps and the
     gradient norms read on the main stream."""
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    lag = _sleep_cycles(0.02)
-    torch.manual_seed(5)
-    side = torch.cuda.Stream(device)
+    _, _, late = _side_stream(rank)
 
     def state_dict_on_side(model):
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(lag)
+        with late():
             model.module.state_dict()  # ours: every bucket completes here
         return model.module[0].weight.grad.norm()  # the main stream
 

@@ -113,15 +113,17 @@ def exact_bound_ms(run: dict, entry: dict, variant: str) -> float | None:
     all-reduce starts no earlier than their gradients are complete, and the next forward starts
     no earlier than it ends. It is taken as their share of the flat all-reduce's time: no more
     than it takes alone (the flat one's latency is spread over more bytes). None without a
-    record or a compute split."""
+    record of their gradients or a compute split."""
     split = entry.get("compute_split_ms")
     records = entry.get(f"{variant}_timeline", [])
     if not split or not records or run["hosts"] < 2:
         return None
     _, first = first_read(run["model"])
     record = records[-1]
-    ready_ns = max(g["ready_ns"] for g in record["grads"] if g["name"] in first)
-    head_start_ms = max(0, record["backward_end_ns"] - ready_ns) * 1e-6
+    ready = [g["ready_ns"] for g in record["grads"] if g["name"] in first]
+    if len(ready) != len(first):  # a record without them: no head start known
+        return None
+    head_start_ms = max(0, record["backward_end_ns"] - max(ready)) * 1e-6
     share = sum(first.values()) / model_bytes(run["model"])
     exposed_ms = max(0.0, share * run["comm_only_ms"] - head_start_ms)
     compute_ms = split["forward"] + split["backward"] + split["step"]

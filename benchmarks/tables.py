@@ -96,6 +96,7 @@ def first_read(model: str) -> tuple[str, dict[str, int]]:
                   for p, t in net.get_submodule(name).named_parameters()}
 
 
+@functools.lru_cache(maxsize=None)
 def model_bytes(model: str) -> int:
     """All of a bench model's parameters' bytes (a tied parameter once)."""
     from pyreducer.testing.models import spec

@@ -7,30 +7,13 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include "graph.h"
 #include "ops.h"
 
 namespace pyreducer {
 
 namespace {
-
-// Post-hook on a parameter's AccumulateGrad node: runs after the gradient is in param.grad.
-class ReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  ReadyHook(Reducer* reducer, size_t index) : reducer_(reducer), index_(index) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    reducer_->autograd_hook(index_);
-    return outputs;
-  }
-
- private:
-  Reducer* reducer_;
-  size_t index_;
-};
 
 // A weak reference to a Reducer that can travel in an autograd context's saved data.
 struct ReducerRef : torch::CustomClassHolder {
@@ -116,15 +99,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> param_
     used_map_ = at::zeros({static_cast<int64_t>(params_.size())},
                           at::TensorOptions().dtype(at::kInt).device(params_[0].device()));
   }
-  // The hooks hold a raw pointer: ~Reducer removes them before the Reducer is gone.
-  accumulators_.reserve(params_.size());
-  hook_keys_.reserve(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
-    hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<ReadyHook>(this, i)));
-    accumulator_nodes_.push_back(accumulator.get());
-    accumulators_.push_back(std::move(accumulator));
-  }
+  // The hooks call into this Reducer: ~Reducer removes them before the Reducer is gone.
+  hooks_ = std::make_unique<GradHooks>(params_, [this](size_t i) { autograd_hook(i); });
 }
 
 std::shared_ptr<Reducer> Reducer::create(std::vector<at::Tensor> params,
@@ -136,11 +112,7 @@ std::shared_ptr<Reducer> Reducer::create(std::vector<at::Tensor> params,
                                               initial_plan, std::move(group), std::move(options)));
 }
 
-Reducer::~Reducer() {
-  for (size_t i = 0; i < accumulators_.size(); ++i) {
-    accumulators_[i]->del_post_hook(hook_keys_[i]);
-  }
-}
+Reducer::~Reducer() { hooks_.reset(); }
 
 void Reducer::set_failure_context(std::function<std::string(const std::string&)> context) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -191,7 +163,7 @@ std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tens
   stats_.buckets_reduced = 0;
   stats_.ready_order.clear();
   if (dynamic_find_unused()) {
-    const std::vector<uint8_t> reached = reachable(outputs, accumulator_nodes_);
+    const std::vector<uint8_t> reached = reachable(outputs, hooks_->nodes());
     std::vector<size_t> unused;
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!reached[i]) unused.push_back(i);
@@ -220,7 +192,7 @@ std::vector<at::Tensor> Reducer::prepare_for_backward(const std::vector<at::Tens
 void Reducer::on_backward_start() {
   std::lock_guard<std::mutex> lock(mutex_);
   // Not one that accumulates into no parameter (a gradient penalty's autograd.grad): reducer.h
-  if (armed_ && backward_accumulates_any(accumulator_nodes_)) begin_backward();
+  if (armed_ && backward_accumulates_any(hooks_->nodes())) begin_backward();
 }
 
 void Reducer::begin_backward() {

@@ -82,11 +82,8 @@
 #include "comm.h"
 #include "comm_hook.h"
 #include "device_timeline.h"
+#include "graph.h"
 #include "timeline.h"
-
-namespace torch::autograd {
-struct Node;
-}
 
 namespace pyreducer {
 
@@ -338,10 +335,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   std::shared_ptr<CommHook> comm_hook_;  // null: SUM all-reduce with 1/world_size in copy-in
 
-  // Hooks: the accumulators are kept alive here (a parameter holds only a weak reference).
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<torch::autograd::Node*> accumulator_nodes_;  // the same, for graph walks
-  std::vector<uintptr_t> hook_keys_;
+  std::unique_ptr<GradHooks> hooks_;  // on the parameters' AccumulateGrad nodes
 
   mutable std::mutex mutex_;
   // Per iteration (see Note [Reducer iteration]).

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # torch's, even if patched later
 
+from pyreducer import torch_versions
+
 
 def default_group():
     """torch.distributed's default group (dist.group.WORLD), or a clear error without one."""
@@ -124,8 +126,9 @@ def _device_index(device) -> int:
 
 def resolve_buffer_sync(broadcast_buffers, forward_sync_buffers) -> tuple[bool, bool]:
     """(forward_sync_buffers, init_sync_buffers), exactly as torch 2.13 DDP derives them, with
-    its warnings."""
-    if broadcast_buffers is not None:
+    its warnings where the installed torch deprecates broadcast_buffers (2.13+; before, it
+    defaults to True and nothing warns)."""
+    if broadcast_buffers is not None and torch_versions.DDP_HAS_FORWARD_SYNC_BUFFERS:
         if forward_sync_buffers is not None:
             warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
                           "`broadcast_buffers` is deprecated and its value is ignored when "

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from pyreducer import arguments, bucketing, failures, nested, precision, sync, teardown
+from pyreducer import (arguments, bucketing, failures, nested, precision, sync, teardown,
+                       torch_versions)
 from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.ddp_logging import DDPLogger
@@ -41,8 +42,9 @@ TRACE_ENV = "PYREDUCER_TRACE"
 class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel wrapper: averages gradients across ranks during backward.
 
-    Arguments are torch DDP's (torch 2.13), with DDP's meaning and defaults; see
-    torch.nn.parallel.DistributedDataParallel. pyreducer differences: errors name the
+    Arguments are the installed torch DDP's, in its order, with its meaning and defaults (see
+    torch.nn.parallel.DistributedDataParallel); torch 2.13's batched_grad_copy and
+    forward_sync_buffers also on older torch (pyreducer/torch_versions.py). pyreducer differences: errors name the
     parameters and ranks involved, always; a backward that leaves a parameter without gradient
     raises at its end instead of at the next forward; mixed_precision runs on any device
     (pyreducer/precision.py).
@@ -69,8 +71,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     _buffer_group = None  # overlap_optimizer(): Note [Buffers beside deferred reductions]
 
-    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
-                 init_sync=True, process_group=None, bucket_cap_mb=None,
+    def __init__(self, module, device_ids=None, output_device=None, dim=0,
+                 broadcast_buffers=torch_versions.BROADCAST_BUFFERS_DEFAULT, init_sync=True, process_group=None, bucket_cap_mb=None,
                  find_unused_parameters=False, check_reduction=False,
                  gradient_as_bucket_view=False, static_graph=False,
                  delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,

@@ -23,6 +23,9 @@ def _params(fn):
     return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values()]
 
 
+# torch 2.13's arguments that older torch lacks: pyreducer serves them on every torch, after the
+# installed DDP's own (pyreducer/torch_versions.py).
+NEWER_TORCH = ["batched_grad_copy", "forward_sync_buffers"]
 # pyreducer's own arguments: keyword-only, after all of DDP's.
 EXTRAS = ["bucket_plan", "timeline_iterations", "gradient_predivide_factor", "reduce_dtype",
           "check_finite"]
@@ -31,14 +34,36 @@ EXTRAS = ["bucket_plan", "timeline_iterations", "gradient_predivide_factor", "re
 def test_same_arguments_order_and_defaults_as_installed_torch():
     ours, theirs = _params(DistributedDataParallel.__init__), _params(TorchDDP.__init__)
     assert ours[:len(theirs)] == theirs
-    extras = ours[len(theirs):]
+    installed = {name for name, _, _ in theirs}
+    newer = [(name, default, kind) for name, default, kind in ours[len(theirs):]
+             if name in NEWER_TORCH]
+    assert [name for name, _, _ in newer] == [n for n in NEWER_TORCH if n not in installed]
+    assert all(kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for _, _, kind in newer)
+    extras = ours[len(theirs) + len(newer):]
     assert [name for name, _, _ in extras] == EXTRAS
     assert all(kind == inspect.Parameter.KEYWORD_ONLY for _, _, kind in extras)
 
 
 def test_every_argument_is_served():
     names = [name for name, _, _ in _params(TorchDDP.__init__)][1:]  # without self
-    assert sorted(names) == sorted(SUPPORTED)
+    assert set(names) <= set(SUPPORTED), set(names) - set(SUPPORTED)
+    assert set(SUPPORTED) - set(names) <= set(NEWER_TORCH)
+
+
+def test_broadcast_buffers_warns_as_the_installed_torch_does():
+    """torch 2.13+ deprecates broadcast_buffers (a FutureWarning when given); before, passing it
+    is silent. The derived settings are the same on both."""
+    import warnings
+
+    from pyreducer.arguments import resolve_buffer_sync
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_buffer_sync(False, None) == (False, False)
+        assert resolve_buffer_sync(True, False) == (False, True)
+    deprecated = "forward_sync_buffers" in [name for name, _, _ in _params(TorchDDP.__init__)]
+    assert len([w for w in caught if issubclass(w.category, FutureWarning)]) == \
+        (2 if deprecated else 0)
 
 
 def test_ignore_helper_is_a_static_method_like_ddps():

@@ -1,0 +1,35 @@
+"""What differs between the torch versions pyreducer supports (2.11 through 2.14), in one place.
+
+Each difference is found by feature in the installed torch, not by version number, and pyreducer
+follows the installed torch's DDP (see README "Supported torch versions"):
+  - torch 2.13 added DDP's `forward_sync_buffers` and `batched_grad_copy`, and deprecated
+    `broadcast_buffers` (default None, a FutureWarning when given). Up to 2.12,
+    `broadcast_buffers` defaults to True and nothing warns. pyreducer takes both new arguments
+    on every torch (after the installed DDP's own), with the installed DDP's default and
+    warnings for `broadcast_buffers`.
+  - torch 2.13 made autograd nodes intrusive_ptr-owned (std::shared_ptr before): the C++ side
+    takes the type from torch (csrc/reducer.cpp, AccumulatorOwners).
+"""
+import inspect
+
+from torch.nn.parallel.distributed import DistributedDataParallel as _TorchDDP
+
+# The oldest torch pyreducer builds against and is tested with (setup.py refuses older ones),
+# and the newest it is tested with (newer ones build, with a warning).
+OLDEST = (2, 11)
+NEWEST_TESTED = (2, 14)
+
+_DDP_ARGUMENTS = inspect.signature(_TorchDDP.__init__).parameters
+
+# torch 2.13+: broadcast_buffers is deprecated in favour of forward_sync_buffers.
+DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in _DDP_ARGUMENTS
+# torch 2.13+: DDP has batched_grad_copy (pyreducer has it on every torch).
+DDP_HAS_BATCHED_GRAD_COPY = "batched_grad_copy" in _DDP_ARGUMENTS
+# The installed DDP's default: None from 2.13 (deprecated), True before.
+BROADCAST_BUFFERS_DEFAULT = _DDP_ARGUMENTS["broadcast_buffers"].default
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as '2.11.0+cu130'."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)

@@ -211,6 +211,16 @@ SCENARIOS = {
 }
 
 
+def oracle_missing(name: str) -> str | None:
+    """Why the installed torch's DDP cannot run scenario `name` (an argument of a newer torch,
+    pyreducer/torch_versions.py), or None."""
+    from pyreducer.torch_versions import DDP_ARGUMENTS
+
+    missing = sorted(set(SCENARIOS[name].get("ddp", {})) - DDP_ARGUMENTS)
+    return f"torch {torch.__version__}'s DDP has no {', '.join(missing)}: no oracle to compare " \
+        "with" if missing else None
+
+
 def _optimizer(kind, params):
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
@@ -282,14 +292,18 @@ def sparse_grads(model) -> list[str]:
 def parity_worker(rank, world_size, names, device_type="cpu"):
     """Trains every named scenario with torch DDP and with pyreducer on this rank; per scenario
     {"torch": state, "ours": state, "buckets": pyreducer's bucket plan, "num_params"}. With
-    device_type "cuda", rank r trains on cuda:r."""
+    device_type "cuda", rank r trains on cuda:r, or shares the GPUs with other ranks where there
+    are fewer GPUs than ranks (Gloo: cuda:r % GPUs)."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
 
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if device_type == "cuda" \
+        else torch.device("cpu")
     out = {}
     for name in names:
+        if oracle_missing(name):
+            continue
         scenario = SCENARIOS[name]
         torch.manual_seed(17 + rank)  # ranks start different: both wrappers must broadcast
         base = _model_fns(scenario["model"])[0]()

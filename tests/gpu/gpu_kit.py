@@ -1,6 +1,16 @@
-"""What the GPU kit's tests share: how many GPUs are visible, why a test cannot run, and NCCL
-ranks run once per session."""
-import functools
+"""What the GPU kit's tests share: how many GPUs are visible, why a test cannot run, the settings
+a multi-rank test runs in, and each rank function run once per session.
+
+Settings (backend, world size):
+  - "gloo": the ranks share the visible GPUs (rank r on cuda:r % GPUs), so 2 and 3 ranks run on a
+    machine with one GPU; torch's Gloo all-reduces CUDA tensors through pinned host copies. Every
+    multi-rank behaviour that does not depend on NCCL itself runs here, against torch DDP in the
+    same setting.
+  - "nccl": one GPU per rank (NCCL refuses two ranks on one device: "Duplicate GPU detected"):
+    world size 1 on one GPU (test_gpu_one_rank.py), 2 and 3 where that many GPUs are visible.
+"""
+import os
+import time
 
 import pytest
 import torch
@@ -8,30 +18,80 @@ import torch
 import pyreducer
 from pyreducer.testing import run_ranks
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+# tests/gpu/run_kit.py --rehearse plans the selection as if this many GPUs were visible: it only
+# collects under that assumption (PYREDUCER_KIT_PLAN set), never runs a test.
+_ASSUMED = os.environ.get("PYREDUCER_KIT_ASSUME_GPUS") if os.environ.get("PYREDUCER_KIT_PLAN") \
+    else None
+GPUS = int(_ASSUMED) if _ASSUMED is not None else \
+    torch.cuda.device_count() if torch.cuda.is_available() else 0
 WITH_CUDA = bool(pyreducer._C.WITH_CUDA)
+# run_kit.py's deadline for the tests (seconds since the epoch): each rank run is bounded by it.
+DEADLINE_ENV = "PYREDUCER_KIT_DEADLINE"
 
 
-def gpu_skip_reason(world_size: int = 1) -> str | None:
-    """Why a test needing `world_size` GPUs cannot run here, or None."""
-    if not torch.cuda.is_available():
+def gpu_skip_reason(gpus: int = 1) -> str | None:
+    """Why a test needing `gpus` GPUs cannot run here, or None."""
+    if _ASSUMED is None and not torch.cuda.is_available():
         return "no GPU: the CUDA/NCCL path is compiled, not run"
     if not WITH_CUDA:
-        return "pyreducer was built without its CUDA kernels (make gpu-test builds them)"
-    if GPUS < world_size:
-        return f"world size {world_size} needs {world_size} GPUs, {GPUS} visible"
+        return "pyreducer was built without its CUDA kernels (tests/gpu/run_kit.py builds them)"
+    if GPUS < gpus:
+        return f"{gpus} GPUs needed (NCCL takes one per rank), {GPUS} visible"
     return None
 
 
-def needs_gpus(world_size: int = 1):
-    """A skip mark, with the reason, unless `world_size` GPUs and a CUDA build are here."""
-    reason = gpu_skip_reason(world_size)
+def needs_gpus(gpus: int = 1):
+    """A skip mark, with the reason, unless `gpus` GPUs and a CUDA build are here."""
+    reason = gpu_skip_reason(gpus)
     return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
-@functools.lru_cache(maxsize=None)
-def nccl_ranks(fn, world_size: int, args: tuple = (), set_device: bool = True):
-    """fn(rank, world_size, *args) on `world_size` NCCL ranks, one GPU each, once per session
-    (cached)."""
-    return run_ranks(fn, world_size, args=args, timeout_s=600, pg_timeout_s=120,
-                     backend="nccl", set_device=set_device)
+def setting(backend: str, world_size: int):
+    """A pytest parameter for one multi-rank setting, skipped where it cannot run."""
+    gpus = world_size if backend == "nccl" else 1
+    return pytest.param((backend, world_size), marks=needs_gpus(gpus),
+                        id=f"{backend}{world_size}")
+
+
+SHARED = [setting("gloo", 2), setting("gloo", 3)]  # ranks share the GPU(s) over Gloo
+ONE_PER_GPU = [setting("nccl", 2), setting("nccl", 3)]
+MULTI = SHARED + ONE_PER_GPU
+TWO_RANKS = [setting("gloo", 2), setting("nccl", 2)]
+ONE_RANK = ("nccl", 1)
+
+
+def rank_device(rank: int) -> torch.device:
+    """Rank r's GPU: cuda:r with one GPU per rank, shared round-robin with fewer GPUs (Gloo)."""
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def _time_left_s() -> float:
+    """The bound of one rank run: 600 s, or what is left before the kit's deadline (plus 30 s
+    for the run that is under way when it passes)."""
+    deadline = os.environ.get(DEADLINE_ENV)
+    if deadline is None:
+        return 600.0
+    return max(30.0, min(600.0, float(deadline) - time.time() + 30.0))
+
+
+_RUNS: dict = {}
+
+
+def ranks(fn, setting_: tuple, args: tuple = (), set_device: bool = True):
+    """fn(rank, world_size, *args) on the ranks of `setting_` ((backend, world size)), once per
+    session: the per-rank results, or the same error for every test that reads a run that
+    failed (run again, a failing run would cost every test its whole time)."""
+    key = (fn, setting_, args, set_device)
+    if key not in _RUNS:
+        backend, world_size = setting_
+        try:
+            _RUNS[key] = ("ok", run_ranks(fn, world_size, args=args, timeout_s=_time_left_s(),
+                                          pg_timeout_s=120, backend=backend,
+                                          set_device=set_device))
+        except Exception as error:  # noqa: BLE001 - re-raised for every reader below
+            _RUNS[key] = ("error", error)
+    status, value = _RUNS[key]
+    if status == "error":
+        raise RuntimeError(f"{fn.__name__} on {setting_[0]} x {setting_[1]} failed (this run is "
+                           f"shared by several tests): {value}") from value
+    return value

@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpu_kit import rank_device
+
 
 def _mlp():
     return nn.Sequential(nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
@@ -28,18 +30,20 @@ def _steps(model, device, steps, seed, cpu_inputs=False):
 
 
 def one_rank_worker(rank, world_size):
-    """World size 1 on one GPU with NCCL: rebuild, device timeline, inputs, hooks, unused
-    parameters, autotune."""
+    """World size 1 on one GPU with NCCL: rebuild (its broadcast on the GPU), device timeline,
+    inputs, hooks, unused parameters, autotune; then NCCL's own paths, each part on its own so
+    that one failing leaves the others' results (one rank: no peer to fall out of step with):
+    a 64 MiB bucket timed on the device clock, the finite-flag exchange, the sparse refusal."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.manual_seed(0)
     base = _mlp().to(device)
     out = {}
-    ours = DistributedDataParallel(copy.deepcopy(base), device_ids=[rank], bucket_cap_mb=0.5)
-    theirs = TorchDDP(copy.deepcopy(base), device_ids=[rank], bucket_cap_mb=0.5)
+    ours = DistributedDataParallel(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=0.5)
+    theirs = TorchDDP(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=0.5)
     out["grads"] = dict(ours=_steps(ours, device, 4, 1, cpu_inputs=True),
                         torch=_steps(theirs, device, 4, 1, cpu_inputs=True))
     out["plans"] = [b["params"] for b in ours.bucket_plan()]
@@ -52,7 +56,20 @@ def one_rank_worker(rank, world_size):
     auto = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb="auto")
     _steps(auto, device, 8, 2)
     out["autotune_log"] = auto.autotune_log
+    for name, part in (("big_bucket", big_bucket_worker), ("check_finite", check_finite_worker),
+                       ("sparse_error", sparse_on_nccl_worker)):
+        out[name] = _part(part, rank, world_size)
     return out
+
+
+def _part(fn, rank, world_size):
+    """fn's result, or {"error": its traceback}."""
+    import traceback
+
+    try:
+        return fn(rank, world_size)
+    except Exception:  # noqa: BLE001 - reported to the test that reads this part
+        return {"error": traceback.format_exc()}
 
 
 def _packed_sequence(rank):
@@ -62,13 +79,14 @@ def _packed_sequence(rank):
 
     from pyreducer import DistributedDataParallel
 
+    device = rank_device(rank)
     torch.manual_seed(3)
-    lstm = nn.LSTM(4, 8, batch_first=True).cuda(rank)
+    lstm = nn.LSTM(4, 8, batch_first=True).to(device)
     packed = pack_padded_sequence(torch.randn(3, 5, 4), torch.tensor([5, 3, 2]),
                                   batch_first=True, enforce_sorted=False)
     result = {}
     for key, cls in (("ours", DistributedDataParallel), ("torch", TorchDDP)):
-        model = cls(copy.deepcopy(lstm), device_ids=[rank])
+        model = cls(copy.deepcopy(lstm), device_ids=[device.index])
         output, _ = model(packed)
         output.data.sum().backward()
         result[key] = [p.grad.clone() for p in model.parameters()]
@@ -94,7 +112,8 @@ class _Echo(nn.Module):
 def _nested_inputs(rank):
     from pyreducer import DistributedDataParallel
 
-    model = DistributedDataParallel(_Echo().cuda(rank), device_ids=[rank])
+    device = rank_device(rank)
+    model = DistributedDataParallel(_Echo().to(device), device_ids=[device.index])
     model(_Batch(torch.randn(2, 4), {"y": torch.ones(3)}), scale=torch.tensor(2.0)).backward()
     return {"input_devices": [str(d) for d in model.module.seen]}
 
@@ -107,15 +126,15 @@ def _hooks(base, rank):
 
     from pyreducer import DistributedDataParallel
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     result = {}
     for key, cls in (("ours", DistributedDataParallel), ("torch", TorchDDP)):
-        model = cls(copy.deepcopy(base), device_ids=[rank], bucket_cap_mb=0.5)
+        model = cls(copy.deepcopy(base), device_ids=[device.index], bucket_cap_mb=0.5)
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         result[key] = _steps(model, device, 3, 4)
         if key == "ours":
             result["timeline"] = model.timeline(1)
-    builtin = DistributedDataParallel(copy.deepcopy(base), device_ids=[rank])
+    builtin = DistributedDataParallel(copy.deepcopy(base), device_ids=[device.index])
     builtin.register_builtin_hook("bf16")
     result["builtin"] = _steps(builtin, device, 3, 4)
     return {"hooks": result}
@@ -135,13 +154,15 @@ def _unused(rank):
 
     from pyreducer import DistributedDataParallel
 
+    device = rank_device(rank)
     torch.manual_seed(5)
-    base = _TwoHeads().cuda(rank)
+    base = _TwoHeads().to(device)
     result = {}
     for key, cls in (("ours", DistributedDataParallel), ("torch", TorchDDP)):
-        model = cls(copy.deepcopy(base), device_ids=[rank], find_unused_parameters=True)
+        model = cls(copy.deepcopy(base), device_ids=[device.index],
+                    find_unused_parameters=True)
         for step in range(3):
-            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).cuda(rank)) \
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(device)) \
                 .sum().backward()
         result[key] = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
     return {"unused": result}
@@ -154,7 +175,7 @@ def no_set_device_worker(rank, world_size):
     from pyreducer import DistributedDataParallel
     from pyreducer.observe.trace import gather_timelines
 
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", rank)  # NCCL, one GPU per rank
     assert torch.cuda.current_device() == 0  # the trap: every rank's current device is cuda:0
     torch.manual_seed(rank)
     model = DistributedDataParallel(_mlp().to(device), device_ids=[rank], bucket_cap_mb=0.5)
@@ -168,11 +189,12 @@ def no_set_device_worker(rank, world_size):
 def strides_worker(rank, world_size):
     from pyreducer import DistributedDataParallel
 
-    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).cuda(rank)
+    device = rank_device(rank)
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(device)
     if rank == 1:
         conv = conv.to(memory_format=torch.channels_last)
     try:
-        DistributedDataParallel(conv, device_ids=[rank])
+        DistributedDataParallel(conv, device_ids=[device.index])
     except ValueError as error:
         return str(error)
     return None
@@ -182,10 +204,11 @@ def big_bucket_worker(rank, world_size):
     """One 64 MiB bucket: its device-timed all-reduce takes real time (at most ~1 TB/s)."""
     from pyreducer import DistributedDataParallel
 
-    model = DistributedDataParallel(nn.Linear(4096, 4096, bias=False).cuda(rank),
-                                    device_ids=[rank], bucket_cap_mb=1000)
+    device = rank_device(rank)
+    model = DistributedDataParallel(nn.Linear(4096, 4096, bias=False).to(device),
+                                    device_ids=[device.index], bucket_cap_mb=1000)
     for _ in range(4):
-        model(torch.randn(8, 4096, device=f"cuda:{rank}")).sum().backward()
+        model(torch.randn(8, 4096, device=device)).sum().backward()
     return dict(timeline=model.timeline(2), stats=model.overlap_stats(2))
 
 
@@ -197,12 +220,12 @@ def join_fp16_worker(rank, world_size):
 
     from pyreducer import DistributedDataParallel
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.manual_seed(9)
     base = _mlp().to(device)
     result = {}
     for key, cls in (("ours", DistributedDataParallel), ("torch", TorchDDP)):
-        model = cls(copy.deepcopy(base), device_ids=[rank], bucket_cap_mb=0.5)
+        model = cls(copy.deepcopy(base), device_ids=[device.index], bucket_cap_mb=0.5)
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(rank)
@@ -216,12 +239,26 @@ def join_fp16_worker(rank, world_size):
     return result
 
 
+def link_probe_worker(rank, world_size):
+    """The autotune's link probe (its first log entry) and the all-reduce bus bandwidth measured
+    directly on the same ranks, to check the one against the other."""
+    from pyreducer import DistributedDataParallel
+
+    device = rank_device(rank)
+    busbw_gbps = allreduce_busbw_gbps(rank, world_size)
+    torch.manual_seed(0)
+    auto = DistributedDataParallel(_mlp().to(device), device_ids=[device.index],
+                                   bucket_cap_mb="auto")
+    _steps(auto, device, 12, 8)
+    return dict(busbw_gbps=busbw_gbps, log=auto.autotune_log)
+
+
 def allreduce_busbw_gbps(rank, world_size):
-    """NCCL all-reduce bus bandwidth of 256 MiB here (nccl-tests' definition), for checking the
-    link probe against."""
+    """All-reduce bus bandwidth of 256 MiB here (nccl-tests' definition), for checking the link
+    probe against."""
     import time
 
-    data = torch.ones(64 << 20, device=f"cuda:{rank}")
+    data = torch.ones(64 << 20, device=rank_device(rank))
     for _ in range(3):
         dist.all_reduce(data)
     torch.cuda.synchronize()
@@ -260,11 +297,11 @@ def two_streams_worker(rank, world_size):
     launch must wait for both. Reference: the same model on one stream."""
     from pyreducer import DistributedDataParallel
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     results = {}
     for key, side in (("two_streams", torch.cuda.Stream(device)), ("one_stream", None)):
         torch.manual_seed(11)
-        model = DistributedDataParallel(_TwoStreams(side).to(device), device_ids=[rank],
+        model = DistributedDataParallel(_TwoStreams(side).to(device), device_ids=[device.index],
                                         bucket_cap_mb=1000)
         gen = torch.Generator().manual_seed(rank)
         grads = []
@@ -286,14 +323,14 @@ def mixed_precision_worker(rank, world_size):
 
     from pyreducer import DistributedDataParallel
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     out = {}
     for name, dtypes in (("fp16", (torch.float16, torch.float16, torch.float16)),
                          ("bf16_reduce_fp32", (torch.bfloat16, torch.float32, torch.bfloat16))):
         torch.manual_seed(0)
         base = _mlp().to(device)
         for key, cls in (("torch", TorchDDP), ("ours", DistributedDataParallel)):
-            model = cls(copy.deepcopy(base), device_ids=[rank],
+            model = cls(copy.deepcopy(base), device_ids=[device.index],
                         mixed_precision=_MixedPrecision(*dtypes))
             grads = _steps(model, device, 4, 10 + rank)
             out[(name, key)] = dict(grads=grads, params=[p.detach().clone()
@@ -306,10 +343,11 @@ def averaging_worker(rank, world_size):
     float16 gradients) against the same arithmetic written out with torch ops."""
     from pyreducer import DistributedDataParallel
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.manual_seed(0)
     base = _mlp().to(device).half()
-    model = DistributedDataParallel(copy.deepcopy(base), device_ids=[rank], bucket_cap_mb=1000,
+    model = DistributedDataParallel(copy.deepcopy(base), device_ids=[device.index],
+                                    bucket_cap_mb=1000,
                                     gradient_predivide_factor=2.0, reduce_dtype=torch.float32)
     reference = copy.deepcopy(base)
     gen = torch.Generator().manual_seed(rank)
@@ -334,27 +372,28 @@ def sparse_on_nccl_worker(rank, world_size):
     from pyreducer.testing.parity import SparseEmbeddings
 
     try:
-        DistributedDataParallel(SparseEmbeddings().cuda(rank), device_ids=[rank])
+        device = rank_device(rank)
+        DistributedDataParallel(SparseEmbeddings().to(device), device_ids=[device.index])
     except RuntimeError as error:
         return str(error)
     return None
 
 
 def check_finite_worker(rank, world_size):
-    """check_finite=True on NCCL: a NaN in rank 1's gradient of one parameter at step 2. The
-    local flags are device tensors, the reduced check one host read after the NCCL all-reduces
+    """check_finite=True: a NaN in the last rank's gradient of one parameter at step 2. The
+    local flags are device tensors, the reduced check one host read after the all-reduces
     (stream-ordered after them), the flag exchange an all-reduce on the GPU."""
     from pyreducer import DistributedDataParallel
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.manual_seed(0)
-    model = DistributedDataParallel(_mlp().to(device), device_ids=[rank], bucket_cap_mb=0.5,
-                                    check_finite=True)
+    model = DistributedDataParallel(_mlp().to(device), device_ids=[device.index],
+                                    bucket_cap_mb=0.5, check_finite=True)
     weight = model.module[2].weight
     state = {"step": 0}
 
     def poison(grad):
-        if rank == 1 and state["step"] == 2:
+        if rank == world_size - 1 and state["step"] == 2:
             grad = grad.clone()
             grad[0, 0] = float("nan")
         return grad

@@ -1,10 +1,17 @@
 """Rank functions of the GPU kit for the overlapped optimizer (Note [Overlapped step] and Note
-[Streams] in pyreducer/overlap.py): NCCL ranks against torch DDP + the same Adam, with CUDA
-streams that do not wait for each other unless the code under test makes them."""
+[Streams] in pyreducer/overlap.py): ranks (NCCL, or Gloo sharing a GPU) against torch DDP + the
+same Adam, with CUDA streams that do not wait for each other unless the code under test makes
+them."""
 import contextlib
 import copy
 
 import torch
+
+from gpu_kit import rank_device
+
+# overlap_worker's cases: the schedule ("fifo", or a chunk size in MB) and the variant.
+OVERLAP_CASES = [(schedule, variant) for schedule in ("fifo", 0.0625)
+                 for variant in ("plain", "bn", "bucket_view", "stream")]
 
 
 def _sleep_cycles(seconds: float) -> int:
@@ -40,7 +47,7 @@ def overlap_worker(rank, world_size, schedule, variant="plain"):
 
     from pyreducer import DistributedDataParallel
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.cuda.set_device(device)
     lag = _sleep_cycles(0.02)
     torch.manual_seed(5)
@@ -50,7 +57,7 @@ def overlap_worker(rank, world_size, schedule, variant="plain"):
     for name in ("torch", "ours"):
         module = copy.deepcopy(base).to(device)
         cls = TorchDDP if name == "torch" else DistributedDataParallel
-        model = cls(module, device_ids=[rank], bucket_cap_mb=0.3, **options)
+        model = cls(module, device_ids=[device.index], bucket_cap_mb=0.3, **options)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
         if name == "ours":
             opt = model.overlap_optimizer(opt, schedule=schedule)
@@ -74,6 +81,12 @@ def overlap_worker(rank, world_size, schedule, variant="plain"):
         out[name] = [p.detach().cpu().clone() for p in model.parameters()]
         out[name] += [b.detach().cpu().clone() for b in model.module.buffers()]
     return out
+
+
+def overlap_cases_worker(rank, world_size):
+    """overlap_worker for every case of OVERLAP_CASES on the same ranks (one start of the
+    ranks instead of eight): {(schedule, variant): its result}."""
+    return {case: overlap_worker(rank, world_size, *case) for case in OVERLAP_CASES}
 
 
 class _SideStreamRead(torch.nn.Module):
@@ -110,11 +123,11 @@ def _six_steps_against_torch(base, rank, after_backward=None):
 
     from pyreducer import DistributedDataParallel
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     out = {}
     for name in ("torch", "ours"):
         cls = TorchDDP if name == "torch" else DistributedDataParallel
-        model = cls(copy.deepcopy(base).to(device), device_ids=[rank], bucket_cap_mb=25)
+        model = cls(copy.deepcopy(base).to(device), device_ids=[device.index], bucket_cap_mb=25)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
         if name == "ours":
             opt = model.overlap_optimizer(opt, schedule="fifo")
@@ -139,7 +152,7 @@ def two_stream_forward_worker(rank, world_size):
     """Note [Streams] in pyreducer/overlap.py: the overlapped optimizer with _SideStreamRead (one
     bucket: the update runs on the side stream at b's read; a's read on the main stream must
     wait for it) against torch DDP + the same Adam, parameters after 6 steps."""
-    torch.cuda.set_device(torch.device("cuda", rank))
+    torch.cuda.set_device(rank_device(rank))
     torch.manual_seed(5)
     return _six_steps_against_torch(_SideStreamRead(_sleep_cycles(0.02)), rank)
 
@@ -148,7 +161,7 @@ def _side_stream(rank):
     """For the side-stream workers: the rank's device made current, the seed, and a side
     stream; `late()` runs its block on the side stream once that stream waited for the current
     one and slept ~20 ms there, so that a missing wait on the main stream shows."""
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.cuda.set_device(device)
     lag = _sleep_cycles(0.02)
     torch.manual_seed(5)
@@ -204,3 +217,10 @@ def unread_completion_worker(rank, world_size):
         return model.module[0].weight.grad.norm()  # the main stream
 
     return _six_steps_against_torch(_overlap_model("plain"), rank, state_dict_on_side)
+
+
+def side_streams_worker(rank, world_size):
+    """The three side-stream cases on the same ranks: {name: its worker's result}."""
+    return dict(two_stream_forward=two_stream_forward_worker(rank, world_size),
+                early_read=early_read_worker(rank, world_size),
+                unread_completion=unread_completion_worker(rank, world_size))

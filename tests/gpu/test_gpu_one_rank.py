@@ -1,10 +1,12 @@
 """World size 1 on one GPU with NCCL: the rebuild (its broadcast on the GPU), the device
 timeline, inputs moved as torch DDP moves them (PackedSequence, nested CPU inputs), hooks,
-unused parameters, autotune; gradients against torch DDP on the same GPU."""
+unused parameters, autotune; gradients against torch DDP on the same GPU. NCCL's own paths,
+which Gloo ranks sharing a GPU do not reach (test_gpu_ranks.py): a collective timed on the
+device clock, the finite-flag exchange, the refusal of sparse gradients."""
 import pytest
 import torch
 
-from gpu_kit import nccl_ranks, needs_gpus
+from gpu_kit import ONE_RANK, needs_gpus, ranks
 from gpu_workers import one_rank_worker
 
 pytestmark = needs_gpus(1)
@@ -12,7 +14,13 @@ pytestmark = needs_gpus(1)
 
 @pytest.fixture(scope="module")
 def run():
-    return nccl_ranks(one_rank_worker, 1)[0]
+    return ranks(one_rank_worker, ONE_RANK)[0]
+
+
+def _part(run, name):
+    part = run[name]
+    assert not (isinstance(part, dict) and "error" in part), part.get("error")
+    return part
 
 
 def _equal(a, b):
@@ -86,3 +94,29 @@ def test_the_tuners_step_clock_times_the_device_not_the_host():
     host = time.perf_counter() - host
     device = clock.seconds(start, end)
     assert host < 0.05 and 0.05 < device < 1.0, (host, device)
+
+
+def test_an_nccl_collective_is_timed_on_the_device_clock(run):
+    """One 64 MiB bucket on NCCL: the future completes at enqueue, so only device events give a
+    launch and a completion in order (one rank: NCCL copies at most, so no lower bound)."""
+    part = _part(run, "big_bucket")
+    for record, stats in zip(part["timeline"], part["stats"]["iterations"]):
+        assert record["clock"] == "device"
+        bucket = record["buckets"][-1]
+        assert bucket["launch_ns"] <= bucket["done_ns"] and stats["comm_ms"][-1] >= 0.0
+
+
+def test_the_finite_flag_exchange_runs_on_nccl(run):
+    """check_finite: the local flags are device tensors, exchanged by an NCCL all-reduce."""
+    errors = _part(run, "check_finite")
+    assert errors[0] is None and errors[2] is None, errors
+    assert "parameter(s) 2.weight (NaN)" in errors[1] and "from rank(s) 0 " in errors[1]
+    assert "seen on rank 0 of 1" in errors[1]
+
+
+def test_sparse_gradients_are_refused_on_nccl(run):
+    """torch DDP fails in the middle of backward (ProcessGroupNCCL has no sparse all-reduce);
+    pyreducer refuses at construction, with torch's words."""
+    error = _part(run, "sparse_error")
+    assert error is not None and "NCCL does not support all_reduce with sparse" in error
+    assert "embed.weight" in error

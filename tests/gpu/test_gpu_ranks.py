@@ -1,41 +1,47 @@
-"""World sizes 2 and 3 on NCCL, one GPU per rank (skipped where fewer GPUs are visible): bitwise
-parity with torch DDP on the parity scenarios (3 ranks: the CUDA copy's rounding, Note [Rounding
-of the scaled copy]), join() with the fp16 hook, a script that never calls set_device, strides
-checked across ranks, device-timed communication, and the link probe against the measured bus
-bandwidth."""
+"""Two and three ranks against torch DDP in the same setting (gpu_kit.py: Gloo ranks sharing the
+GPU, which a one-GPU machine runs; NCCL with one GPU per rank, where that many are visible):
+bitwise parity on the parity scenarios (3 ranks: the CUDA copy's rounding, Note [Rounding of
+the scaled copy]), the rebuilt plans, join() with the fp16 hook, strides checked across ranks,
+device-timed communication and the link probe, the streams of a bucket, mixed precision, the
+averaging hook, the overlapped optimizer's deferred waits and side-stream fences, check_finite;
+and a script that never calls set_device (NCCL, 2 GPUs). Compiled, not run here: no GPU."""
 import pytest
 import torch
 
-from gpu_kit import nccl_ranks, needs_gpus
-from gpu_workers import (allreduce_busbw_gbps, averaging_worker, big_bucket_worker,
-                         check_finite_worker, join_fp16_worker, mixed_precision_worker,
-                         no_set_device_worker, sparse_on_nccl_worker, strides_worker,
-                         two_streams_worker)
-from overlap_workers import (early_read_worker, overlap_worker, two_stream_forward_worker,
-                             unread_completion_worker)
-from pyreducer.testing.parity import SCENARIOS, parity_worker
+from gpu_kit import MULTI, TWO_RANKS, needs_gpus, ranks
+from gpu_workers import (averaging_worker, big_bucket_worker, check_finite_worker,
+                         join_fp16_worker, link_probe_worker, mixed_precision_worker,
+                         no_set_device_worker, strides_worker, two_streams_worker)
+from overlap_workers import OVERLAP_CASES, overlap_cases_worker, side_streams_worker
+from pyreducer.testing.parity import SCENARIOS, oracle_missing, parity_worker
 
-# The parity scenarios on NCCL: all but the sparse ones (NCCL has no sparse all-reduce; see
-# test_sparse_gradients_are_refused_on_nccl), skipped unused buckets and the delayed all-reduce
-# included. Bit for bit where the arithmetic is torch DDP's exactly; static graphs (whose first
-# iteration reduces in parameter order) within 1e-6, as on CPU.
+# NCCL has no sparse all-reduce (test_gpu_one_rank.py: refused at construction); Gloo has one
+# for CUDA tensors. Bit for bit where the arithmetic is torch DDP's exactly; static graphs (whose
+# first iteration reduces in parameter order) within 1e-6, as on CPU.
+SCENARIO_NAMES = list(SCENARIOS)
 ON_NCCL = [name for name, s in SCENARIOS.items() if s["model"] != "sparse"]
-BITWISE = [name for name in ON_NCCL if not SCENARIOS[name].get("ddp", {}).get("static_graph")]
-WORLD_SIZES = [pytest.param(n, marks=needs_gpus(n), id=f"{n}gpus") for n in (2, 3)]
+BITWISE = [name for name in SCENARIOS if not SCENARIOS[name].get("ddp", {}).get("static_graph")]
 
 
-def _parity(world_size):
-    return nccl_ranks(_cuda_parity_worker, world_size)
+def _parity(setting):
+    names = tuple(SCENARIO_NAMES if setting[0] == "gloo" else ON_NCCL)
+    return ranks(parity_worker, setting, (names, "cuda"))
 
 
-def _cuda_parity_worker(rank, world_size):
-    return parity_worker(rank, world_size, tuple(ON_NCCL), "cuda")
+def _equal_lists(ours, theirs, what):
+    assert len(ours) == len(theirs), what
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert torch.equal(a, b), f"{what}: tensor {i} differs"
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("name", ON_NCCL)
-def test_matches_torch_ddp(world_size, name):
-    for rank, result in enumerate(_parity(world_size)):
+@pytest.mark.parametrize("setting", MULTI)
+@pytest.mark.parametrize("name", SCENARIO_NAMES)
+def test_matches_torch_ddp(setting, name):
+    if setting[0] == "nccl" and name not in ON_NCCL:
+        pytest.skip("NCCL has no sparse all-reduce")
+    if oracle_missing(name):
+        pytest.skip(oracle_missing(name))
+    for rank, result in enumerate(_parity(setting)):
         theirs, ours = result[name]["torch"], result[name]["ours"]
         assert ours.keys() == theirs.keys()
         for key in theirs:
@@ -48,106 +54,96 @@ def test_matches_torch_ddp(world_size, name):
                 assert diff <= 1e-6, f"rank {rank}: {key} differs by {diff:.3g}"
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_rebuilt_plans_are_the_same_on_every_rank(world_size):
+@pytest.mark.parametrize("setting", MULTI)
+def test_rebuilt_plans_are_the_same_on_every_rank(setting):
     """The rebuild's broadcast ran on the GPU (NCCL has no CPU tensors): every rank got rank
     0's order, so every rank has the same buckets."""
-    results = _parity(world_size)
-    for name in ON_NCCL:
+    results = _parity(setting)
+    for name in results[0]:
         plans = [result[name]["buckets"] for result in results]
         assert all(plan == plans[0] for plan in plans), name
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_join_with_fp16_hook_matches_torch_ddp(world_size):
-    for rank, result in enumerate(nccl_ranks(join_fp16_worker, world_size)):
-        for a, b in zip(result["ours"], result["torch"]):
-            assert torch.equal(a, b), f"rank {rank}"
+@pytest.mark.parametrize("setting", MULTI)
+def test_join_with_fp16_hook_matches_torch_ddp(setting):
+    for rank, result in enumerate(ranks(join_fp16_worker, setting)):
+        _equal_lists(result["ours"], result["torch"], f"rank {rank}")
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_without_set_device_every_rank_uses_its_parameters_gpu(world_size):
-    results = nccl_ranks(no_set_device_worker, world_size, set_device=False)
+@needs_gpus(2)
+def test_without_set_device_every_rank_uses_its_parameters_gpu():
+    results = ranks(no_set_device_worker, ("nccl", 2), set_device=False)
     for rank, result in enumerate(results):
-        assert all(torch.equal(a, b) for a, b in zip(result["grads"], results[0]["grads"]))
+        _equal_lists(result["grads"], results[0]["grads"], f"rank {rank}")
         assert result["gathered"] == (rank == 0)
         assert result["log"][-1]["event"] == "chosen"
 
 
-@needs_gpus(2)
-def test_sparse_gradients_are_refused_on_nccl():
-    """torch DDP fails in the middle of backward (ProcessGroupNCCL has no sparse all-reduce);
-    pyreducer refuses at construction, with torch's words."""
-    for error in nccl_ranks(sparse_on_nccl_worker, 2):
-        assert error is not None and "NCCL does not support all_reduce with sparse" in error
-        assert "embed.weight" in error
-
-
-@needs_gpus(2)
-def test_strides_are_checked_across_ranks():
-    for error in nccl_ranks(strides_worker, 2):
+@pytest.mark.parametrize("setting", TWO_RANKS)
+def test_strides_are_checked_across_ranks(setting):
+    for error in ranks(strides_worker, setting):
         assert error is not None and "channels_last" in error and "rank 1" in error
 
 
-@needs_gpus(2)
-def test_communication_is_timed_on_the_device():
+@pytest.mark.parametrize("setting", TWO_RANKS)
+def test_communication_is_timed_on_the_device(setting):
     """A 64 MiB all-reduce cannot take less than 64 MiB / 1 TB/s: host times on NCCL (the future
     completes at enqueue) would give about 0."""
-    for result in nccl_ranks(big_bucket_worker, 2):
+    for result in ranks(big_bucket_worker, setting):
         for record, stats in zip(result["timeline"], result["stats"]["iterations"]):
             assert record["clock"] == "device"
             assert stats["comm_ms"][-1] >= 64 * 2**20 / 1e12 * 1e3, stats["comm_ms"]
 
 
-@needs_gpus(2)
-def test_link_probe_finds_the_measured_bandwidth():
-    """The autotune's link probe (device-synchronized) against a plain NCCL bus-bandwidth
-    measurement on the same GPUs: between 0.3x and 1.2x of it."""
-    busbw = nccl_ranks(allreduce_busbw_gbps, 2)[0]
-    results = nccl_ranks(no_set_device_worker, 2, set_device=False)
-    link = results[0]["log"][0]
+@pytest.mark.parametrize("setting", TWO_RANKS)
+def test_link_probe_finds_the_measured_bandwidth(setting):
+    """The autotune's link probe (device-synchronized) against a plain all-reduce bus-bandwidth
+    measurement on the same ranks: between 0.3x and 1.2x of it."""
+    result = ranks(link_probe_worker, setting)[0]
+    link = result["log"][0]
     probed_gbps = link["bandwidth_gbit"] / 8
-    assert 0.3 * busbw <= probed_gbps <= 1.2 * busbw, (probed_gbps, busbw)
+    assert 0.3 * result["busbw_gbps"] <= probed_gbps <= 1.2 * result["busbw_gbps"], \
+        (probed_gbps, result["busbw_gbps"])
 
 
-@needs_gpus(2)
-def test_buckets_wait_for_the_streams_their_gradients_were_copied_on():
+@pytest.mark.parametrize("setting", MULTI)
+def test_buckets_wait_for_the_streams_their_gradients_were_copied_on(setting):
     """Note [Streams of a bucket]: half the gradients of one bucket are copied on a side stream;
     the reduced gradients equal those of the same model on one stream."""
-    for rank, result in enumerate(nccl_ranks(two_streams_worker, 2)):
+    for rank, result in enumerate(ranks(two_streams_worker, setting)):
         for step, (two, one) in enumerate(zip(result["two_streams"], result["one_stream"])):
-            for a, b in zip(two, one):
-                assert torch.equal(a, b), f"rank {rank}, step {step}"
+            _equal_lists(two, one, f"rank {rank}, step {step}")
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_mixed_precision_matches_torch_ddp(world_size):
+@pytest.mark.parametrize("setting", MULTI)
+def test_mixed_precision_matches_torch_ddp(setting):
     """On CUDA torch's own mixed precision runs: pyreducer's must give its gradients and
     parameters bit for bit (float16, and bfloat16 reduced in float32)."""
-    for rank, result in enumerate(nccl_ranks(mixed_precision_worker, world_size)):
+    for rank, result in enumerate(ranks(mixed_precision_worker, setting)):
         for name in ("fp16", "bf16_reduce_fp32"):
             ours, theirs = result[(name, "ours")], result[(name, "torch")]
             for step, (a, b) in enumerate(zip(ours["grads"], theirs["grads"])):
-                assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{name} rank {rank} {step}"
-            assert all(torch.equal(x, y) for x, y in zip(ours["params"], theirs["params"]))
+                _equal_lists(a, b, f"{name} rank {rank} step {step}")
+            _equal_lists(ours["params"], theirs["params"], f"{name} rank {rank} parameters")
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_predivide_and_reduce_dtype_on_cuda(world_size):
-    for rank, result in enumerate(nccl_ranks(averaging_worker, world_size)):
-        for a, b in zip(result["ours"], result["expected"]):
-            assert torch.equal(a, b), f"rank {rank}"
+@pytest.mark.parametrize("setting", MULTI)
+def test_predivide_and_reduce_dtype_on_cuda(setting):
+    for rank, result in enumerate(ranks(averaging_worker, setting)):
+        _equal_lists(result["ours"], result["expected"], f"rank {rank}")
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("schedule", ["fifo", 0.0625])
-@pytest.mark.parametrize("variant", ["plain", "bn", "bucket_view", "stream"])
-def test_overlapped_optimizer_matches_torch_ddp(world_size, schedule, variant):
-    """Deferred completion and chunked launches on NCCL, with one rank lagging (its reductions
-    still run when the others queue their updates): parameters (and BatchNorm buffers) after 10
-    Adam steps equal torch DDP's, bit for bit (chunks at 3 ranks: NCCL may sum a chunk in
-    another order, 1e-6). Compiled, not run here: no GPU."""
-    for rank, result in enumerate(nccl_ranks(overlap_worker, world_size, (schedule, variant))):
+@pytest.mark.parametrize("setting", MULTI)
+@pytest.mark.parametrize("schedule, variant", OVERLAP_CASES,
+                         ids=[f"{s}-{v}" for s, v in OVERLAP_CASES])
+def test_overlapped_optimizer_matches_torch_ddp(setting, schedule, variant):
+    """Deferred completion and chunked launches, with one rank lagging (its reductions still run
+    when the others queue their updates): parameters (and BatchNorm buffers) after 10 Adam steps
+    equal torch DDP's, bit for bit (chunks at 3 ranks: a chunk may be summed in another order,
+    1e-6)."""
+    world_size = setting[1]
+    for rank, results in enumerate(ranks(overlap_cases_worker, setting)):
+        result = results[(schedule, variant)]
         if schedule != "fifo":
             assert max(result["chunks"]) > 1, f"rank {rank}: the schedule was not chunked"
         for ours, theirs in zip(result["ours"], result["torch"]):
@@ -157,45 +153,44 @@ def test_overlapped_optimizer_matches_torch_ddp(world_size, schedule, variant):
                 torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
-@needs_gpus(2)
-def test_a_bucket_updated_on_a_side_stream_is_waited_for_on_the_main_one():
-    """Note [Streams] in pyreducer/overlap.py. Compiled, not run here: no GPU."""
-    for rank, result in enumerate(nccl_ranks(two_stream_forward_worker, 2)):
+def _side_streams(setting, case):
+    return [result[case] for result in ranks(side_streams_worker, setting)]
+
+
+@pytest.mark.parametrize("setting", TWO_RANKS)
+def test_a_bucket_updated_on_a_side_stream_is_waited_for_on_the_main_one(setting):
+    """Note [Streams] in pyreducer/overlap.py."""
+    for rank, result in enumerate(_side_streams(setting, "two_stream_forward")):
         assert result["buckets"] == 1, result["buckets"]
-        for ours, theirs in zip(result["ours"], result["torch"]):
-            assert torch.equal(ours, theirs), f"rank {rank}"
+        _equal_lists(result["ours"], result["torch"], f"rank {rank}")
 
 
-@needs_gpus(2)
-def test_a_bucket_completed_by_a_read_before_step_is_waited_for_by_step():
+@pytest.mark.parametrize("setting", TWO_RANKS)
+def test_a_bucket_completed_by_a_read_before_step_is_waited_for_by_step(setting):
     """Note [Streams] in pyreducer/overlap.py: a gradient read on a side stream before step()
     (the bucket's averages written there), the tensor read then on the main stream too;
-    step() on the main stream. Compiled, not run here: no GPU."""
-    for rank, result in enumerate(nccl_ranks(early_read_worker, 2)):
+    step() on the main stream."""
+    for rank, result in enumerate(_side_streams(setting, "early_read")):
         assert result["buckets"] == 1, result["buckets"]
-        for ours, theirs in zip(result["ours_reads"], result["torch_reads"]):
-            assert torch.equal(ours, theirs), f"rank {rank}: the side stream read {ours}, " \
-                f"torch DDP's side stream {theirs}"
-        for ours, theirs in zip(result["ours"], result["torch"]):
-            assert torch.equal(ours, theirs), f"rank {rank}"
+        _equal_lists(result["ours_reads"], result["torch_reads"],
+                     f"rank {rank}: gradient norms read on the two streams")
+        _equal_lists(result["ours"], result["torch"], f"rank {rank}")
 
 
-@needs_gpus(2)
-def test_a_completion_no_read_asked_for_on_a_side_stream_is_waited_for_by_step():
+@pytest.mark.parametrize("setting", TWO_RANKS)
+def test_a_completion_no_read_asked_for_on_a_side_stream_is_waited_for_by_step(setting):
     """Note [Streams] in pyreducer/overlap.py (Fences.settle): the module's state_dict() on a
     side stream before step() completes every bucket there; the gradient is read and step()
-    runs on the main stream. Compiled, not run here: no GPU."""
-    for rank, result in enumerate(nccl_ranks(unread_completion_worker, 2)):
-        for ours, theirs in zip(result["ours_reads"], result["torch_reads"]):
-            assert torch.equal(ours, theirs), f"rank {rank}: the main stream read {ours}, " \
-                f"torch DDP's {theirs}"
-        for ours, theirs in zip(result["ours"], result["torch"]):
-            assert torch.equal(ours, theirs), f"rank {rank}"
+    runs on the main stream."""
+    for rank, result in enumerate(_side_streams(setting, "unread_completion")):
+        _equal_lists(result["ours_reads"], result["torch_reads"],
+                     f"rank {rank}: gradient norms read on the main stream")
+        _equal_lists(result["ours"], result["torch"], f"rank {rank}")
 
 
-@needs_gpus(2)
-def test_check_finite_names_parameter_and_rank_on_nccl():
-    for rank, errors in enumerate(nccl_ranks(check_finite_worker, 2)):
+@pytest.mark.parametrize("setting", TWO_RANKS)
+def test_check_finite_names_parameter_and_rank(setting):
+    for rank, errors in enumerate(ranks(check_finite_worker, setting)):
         assert errors[0] is None and errors[2] is None, errors
         assert "parameter(s) 2.weight (NaN)" in errors[1] and "from rank(s) 1 " in errors[1]
         assert f"seen on rank {rank} of 2" in errors[1]

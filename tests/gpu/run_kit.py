@@ -30,8 +30,10 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,7 +56,11 @@ class Kit:
         self.out = os.path.abspath(args.out) if args.out else None
         if self.out:
             os.makedirs(self.out, exist_ok=True)
-        self.log = open(os.path.join(self.out, "kit.log"), "w") if self.out else None
+        self.log = None
+        if self.out:  # append mode: the benchmark's output is appended to the same file
+            for name in ("kit.log", "build.log", "pytest.log"):
+                open(os.path.join(self.out, name), "w").close()
+            self.log = open(os.path.join(self.out, "kit.log"), "a")
         self.report = {"label": args.label, "rehearse": args.rehearse, "steps": []}
 
     def say(self, text: str) -> None:
@@ -84,31 +90,37 @@ class Kit:
     def run(self, command: list[str], log_name: str | None, env: dict | None = None,
             timeout_s: float | None = None) -> int:
         """Runs `command` in the checkout, its output shown and kept in `log_name` under the
-        output folder; the exit status, or -9 if it ran past `timeout_s` and was killed."""
+        output folder; the exit status, or -9 if it ran past `timeout_s` and was killed (with
+        every process it started), silent or not."""
         self.say("$ " + " ".join(command))
         log = open(os.path.join(self.out, log_name), "a") if self.out and log_name else None
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        killed = threading.Event()
+
+        def kill():
+            killed.set()
+            os.killpg(process.pid, signal.SIGKILL)
+
+        timer = threading.Timer(timeout_s, kill) if timeout_s is not None else None
+        if timer:
+            timer.start()
         try:
-            for line in process.stdout:
+            for line in process.stdout:  # ends when the process (group) is gone
                 sys.stdout.write(line)
                 if log:
                     log.write(line)
-                if deadline is not None and time.monotonic() > deadline:
-                    break
-            if deadline is not None:
-                process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            return process.wait()
-        except subprocess.TimeoutExpired:
-            pass
+                    log.flush()
+            status = process.wait()
         finally:
+            if timer:
+                timer.cancel()
             if log:
                 log.close()
-        os.killpg(process.pid, 9)
-        process.wait()
-        self.say(f"killed after {timeout_s:.0f} s")
-        return -9
+        if killed.is_set():
+            self.say(f"killed after {timeout_s:.0f} s")
+            return -9
+        return status
 
 
 def facts() -> dict:

@@ -101,3 +101,18 @@ def test_settings_need_one_gpu_for_gloo_and_one_per_rank_for_nccl():
     if gpu_kit.GPUS == 0:  # here: every setting is skipped, with the reason
         assert all(mark.args[0] for mark in marks.values())
         assert "no GPU" in marks["gloo2"].kwargs["reason"]
+
+
+def test_a_silent_step_is_killed_at_its_timeout(tmp_path):
+    import argparse
+
+    import run_kit
+
+    kit = run_kit.Kit(argparse.Namespace(out=str(tmp_path), label="", rehearse=False))
+    started = time.monotonic()
+    status = kit.run([sys.executable, "-c", "import time; print('started', flush=True); "
+                      "time.sleep(60)"], "build.log", timeout_s=2)
+    assert status == -9 and time.monotonic() - started < 20
+    assert (tmp_path / "build.log").read_text() == "started\n"
+    assert kit.run([sys.executable, "-c", "raise SystemExit(3)"], "build.log") == 3
+    assert "killed after 2 s" in (tmp_path / "kit.log").read_text()

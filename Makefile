@@ -9,7 +9,8 @@ CMAKE_BUILD := build/cmake
 PYTEST_ARGS ?=
 export MAX_JOBS ?= 2
 
-.PHONY: venv build demo test test-fast test-multirank test-netem cpp-test pytest bench fuzz soak cuda-build cuda-check gpu-test clean
+.PHONY: venv build demo test test-fast test-multirank test-netem cpp-test pytest bench fuzz soak \
+        cuda-build cuda-check gpu-test gpu-rehearsal test-torch-oldest clean
 
 venv: $(DEPS_STAMP)
 
@@ -51,16 +52,15 @@ test-netem: build
 	$(VPY) -m pytest -q $(PYTEST_ARGS) tests/netem
 
 # The CUDA build, checked without a GPU: a separate venv with torch's CUDA 13.0 build, the
-# extension compiled with its CUDA kernels (csrc/cuda) for CUDA_ARCHS, imported, and the whole
-# test suite run against it (the GPU kit is collected and skipped). The kernels are compiled,
-# not run, on a machine without a GPU.
+# extension compiled with its CUDA kernels (csrc/cuda) for CUDA_ARCHS by the GPU kit's build step
+# (tests/gpu/run_kit.py --build-only), imported, and the whole test suite run against it (the GPU
+# kit is collected and skipped). The kernels are compiled, not run, on a machine without a GPU.
 CUDA_VENV ?= .venv-cuda
 CUDA_TORCH_VERSION ?= 2.14.1
-# The toolkit: $CUDA_HOME if set, else /usr/local/cuda (nvcc on PATH may be a wrapper script).
-CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda) $(abspath $(dir $(realpath $(shell command -v nvcc 2>/dev/null)))..))
-NVCC := $(wildcard $(CUDA_HOME)/bin/nvcc)
 CUDA_BUILD := build/cuda
 CUDA_STAMP := $(CUDA_VENV)/.deps-$(CUDA_TORCH_VERSION)
+CUDA_ARCHS ?= 8.0;9.0
+NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 
 $(CUDA_STAMP):
 	$(PYTHON) -m venv $(CUDA_VENV)
@@ -68,32 +68,55 @@ $(CUDA_STAMP):
 	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check numpy pytest ninja matplotlib expecttest
 	touch $@
 
-CUDA_ARCHS ?= 8.0;9.0
+# The oldest supported torch (pyreducer/torch_versions.py), as the lent GPU machine has it: a venv
+# standing in for that machine's interpreter (its CUDA build comes from the package index, with
+# the nvidia-* packages; about 5 GB).
+OLDEST_VENV ?= .venv-torch211
+OLDEST_TORCH_VERSION ?= 2.11.0
+OLDEST_STAMP := $(OLDEST_VENV)/.deps-$(OLDEST_TORCH_VERSION)
+REHEARSAL_OUT ?= run/gpu-rehearsal
+
+$(OLDEST_STAMP):
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --disable-pip-version-check torch==$(OLDEST_TORCH_VERSION)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --disable-pip-version-check numpy pytest ninja matplotlib expecttest \
+	    "setuptools>=64" wheel
+	touch $@
 
 ifeq ($(NVCC),)
-cuda-build cuda-check gpu-test:
+cuda-build cuda-check gpu-rehearsal test-torch-oldest:
 	@echo "$@: nvcc not found: the CUDA build was not checked (nothing compiled)."
 else
 cuda-build: $(CUDA_STAMP)
-	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(CUDA_ARCHS)" PYREDUCER_CUDA=1 \
-	    $(CUDA_VENV)/bin/python setup.py --quiet build_ext --build-lib $(CUDA_BUILD)/lib --build-temp $(CUDA_BUILD)/temp
-	rm -rf $(CUDA_BUILD)/pkg && mkdir -p $(CUDA_BUILD)/pkg
-	cp -r pyreducer $(CUDA_BUILD)/pkg/ && rm -f $(CUDA_BUILD)/pkg/pyreducer/_C*.so
-	cp $(CUDA_BUILD)/lib/pyreducer/_C*.so $(CUDA_BUILD)/pkg/pyreducer/
-	cd $(CUDA_BUILD)/pkg && $(abspath $(CUDA_VENV))/bin/python -c "import torch, pyreducer; \
-	    assert pyreducer._C.WITH_CUDA, 'built without CUDA kernels'; \
-	    print('cuda-build: pyreducer built with CUDA kernels against torch', torch.version.__version__, \
-	          '(CUDA', torch.version.cuda + '); GPUs visible:', torch.cuda.device_count())"
+	$(CUDA_VENV)/bin/python tests/gpu/run_kit.py --build-only --arch "$(CUDA_ARCHS)" \
+	    --jobs $(MAX_JOBS) --build-dir $(CUDA_BUILD)
 
 cuda-check: cuda-build
 	PYTHONPATH=$(abspath $(CUDA_BUILD)/pkg) $(CUDA_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
 
-# On a machine with GPUs: the GPU kit (tests/gpu) and the CUDA op tests, against the CUDA build.
-# Its "GPU kit" summary says what ran and what could not (e.g. world size 2+ with one GPU).
-gpu-test: cuda-build
-	PYTHONPATH=$(abspath $(CUDA_BUILD)/pkg) $(CUDA_VENV)/bin/pytest -q -rs -p no:cacheprovider \
-	    $(PYTEST_ARGS) tests/gpu tests/unit/test_ops.py
+# What the GPU kit does on the GPU machine, up to its first CUDA call, against torch 2.11 in an
+# existing interpreter: pip offline, the build for sm_90 only, the import, the collection of the
+# one-GPU selection and its plan (tests/gpu/run_kit.py --rehearse). The report: $(REHEARSAL_OUT).
+gpu-rehearsal: $(OLDEST_STAMP)
+	$(OLDEST_VENV)/bin/python tests/gpu/run_kit.py --rehearse --jobs $(MAX_JOBS) \
+	    --out $(REHEARSAL_OUT)
+
+# The oldest supported torch against its own DDP, on the rehearsal's build (CUDA kernels
+# compiled, run on the CPU): the unit layer, the 2-rank parity, the plans, DDP's private API.
+test-torch-oldest: gpu-rehearsal
+	PYTHONPATH=$(abspath build/gpu-kit/pkg) $(OLDEST_VENV)/bin/python -P -m pytest -q \
+	    -p no:cacheprovider $(PYTEST_ARGS) tests/unit tests/multirank/test_parity.py \
+	    tests/multirank/test_plan_matches_ddp.py tests/multirank/test_ddp_private_api.py \
+	    -k "not 3ranks"
 endif
+
+# On the GPU machine (no network; its own interpreter and torch): the GPU kit in one command,
+# report in GPU_OUT (README "The GPU kit"). GPU_KIT_ARGS: e.g. --full, --bench-s 0.
+GPU_PYTHON ?= python3
+GPU_OUT ?= run/gpu-kit
+GPU_KIT_ARGS ?=
+gpu-test:
+	$(GPU_PYTHON) tests/gpu/run_kit.py --out $(GPU_OUT) $(GPU_KIT_ARGS)
 
 bench: build
 	$(VPY) benchmarks/bench_ddp.py --json benchmarks/results/latest.json

@@ -155,11 +155,25 @@ def pip_keeps_torch(kit: Kit) -> str:
                       "--no-build-isolation", "--quiet", "--report", report_path, "."],
                      "build.log", timeout_s=300)
     if status != 0:
-        return f"FAILED: pip exited with {status} (build.log)"
+        return f"FAILED: pip exited with {status}: {last_error(kit, 'build.log')}"
     with open(report_path) as f:
         names = sorted(entry["metadata"]["name"] for entry in json.load(f).get("install", []))
     return "ok: pip would install pyreducer alone" if names == ["pyreducer"] else \
         f"FAILED: pip would install {names}"
+
+
+def last_error(kit: Kit, log_name: str) -> str:
+    """The last specific 'error: ...' line of a log (pip's generic ones skipped), for the
+    summary; the log has the rest."""
+    generic = ("subprocess-exited-with-error", "metadata-generation-failed")
+    found = "see " + log_name
+    if kit.out:
+        with open(os.path.join(kit.out, log_name)) as f:
+            for line in f:
+                text = line.strip()
+                if text.lower().startswith("error:") and not any(g in text for g in generic):
+                    found = f"{text} ({log_name})"
+    return found
 
 
 def build(kit: Kit, arch: str | None, build_dir: str, jobs: int) -> bool:
@@ -283,7 +297,8 @@ def main(argv=None) -> int:
     if not args.build_only:
         started = time.monotonic()
         kit.report["facts"] = facts()
-        kit.step("facts", "; ".join(f"{k} {v}" for k, v in kit.report["facts"].items()), started)
+        kit.say("; ".join(f"{k} {v}" for k, v in kit.report["facts"].items()))
+        kit.step("facts", "ok (the table above)", started)
         started = time.monotonic()
         kit.step("pip check", pip_keeps_torch(kit), started)
     started = time.monotonic()

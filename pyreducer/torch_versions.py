@@ -7,8 +7,8 @@ follows the installed torch's DDP (see README "Supported torch versions"):
     `broadcast_buffers` defaults to True and nothing warns. pyreducer takes both new arguments
     on every torch (after the installed DDP's own), with the installed DDP's default and
     warnings for `broadcast_buffers`.
-  - torch 2.11's DDP fails with delay_all_reduce_named_params and the default bucket_cap_mb
-    (DDP_DELAY_NEEDS_BUCKET_CAP below); pyreducer does not.
+  - torch 2.11's DDP fails with delay_all_reduce_named_params and a fractional bucket_cap_mb
+    (DDP_DELAY_TAKES_FRACTIONAL_CAP below); pyreducer does not.
   - torch 2.13 made autograd nodes intrusive_ptr-owned (std::shared_ptr before): the C++ side
     takes the type from torch (csrc/reducer.cpp, AccumulatorOwners).
 """
@@ -32,11 +32,12 @@ DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in _DDP_ARGUMENTS
 DDP_HAS_BATCHED_GRAD_COPY = "batched_grad_copy" in _DDP_ARGUMENTS
 # The installed DDP's default: None from 2.13 (deprecated), True before.
 BROADCAST_BUFFERS_DEFAULT = _DDP_ARGUMENTS["broadcast_buffers"].default
-# torch 2.11's DDP raises TypeError (in _register_delay_all_reduce_hook's _broadcast_coalesced)
-# for delay_all_reduce_named_params with the default bucket_cap_mb: it passes None on before
-# resolving the default. torch 2.13 resolves it first (_BucketCapacityConfig, which came with
-# the fix). pyreducer works either way; the tests give such torch a cap (no oracle otherwise).
-DDP_DELAY_NEEDS_BUCKET_CAP = not hasattr(_ddp_module, "_BucketCapacityConfig")
+# torch 2.11's DDP raises TypeError (in _register_delay_all_reduce_hook's _broadcast_coalesced,
+# which takes an int) for delay_all_reduce_named_params with a fractional bucket_cap_mb such as
+# 0.1: it hands the float on. torch 2.13 hands on whole MiB (_BucketCapacityConfig, which came
+# with the change). pyreducer takes any cap; a test that needs torch's oracle there gives such a
+# torch a whole cap.
+DDP_DELAY_TAKES_FRACTIONAL_CAP = hasattr(_ddp_module, "_BucketCapacityConfig")
 
 
 def version_tuple(version: str) -> tuple[int, int]:

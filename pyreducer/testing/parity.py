@@ -135,12 +135,9 @@ def _same_branch_loss(model, batch, step, rank):
 def _delay_last_layer(module):
     """torch DDP's delayed all-reduce of the mlp's last layer, hooked on its first weight (the
     last gradient of backward)."""
-    from pyreducer.torch_versions import DDP_DELAY_NEEDS_BUCKET_CAP
-
-    cap = dict(bucket_cap_mb=25) if DDP_DELAY_NEEDS_BUCKET_CAP else {}  # torch 2.11's TypeError
     return dict(delay_all_reduce_named_params=[(n, p) for n, p in module.named_parameters()
                                                if n.startswith("4.")],
-                param_to_hook_all_reduce=module[0].weight, **cap)
+                param_to_hook_all_reduce=module[0].weight)
 
 
 LOCAL_MODELS = {"branchy": (Branchy, _regression, _branch_loss),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import pyreducer
-from pyreducer.testing import run_ranks
+from pyreducer.testing import RankTimeout, run_ranks
 
 # tests/gpu/run_kit.py --rehearse plans the selection as if this many GPUs were visible: it only
 # collects under that assumption (PYREDUCER_KIT_PLAN set), never runs a test.
@@ -65,13 +65,23 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
-def _time_left_s() -> float:
-    """The bound of one rank run: 600 s, or what is left before the kit's deadline (plus 30 s
-    for the run that is under way when it passes)."""
+# The longest one rank run may take (the 3-rank parity is the longest): a run that hangs costs
+# at most this much of the kit's minutes.
+RUN_BOUND_S = 240.0
+
+
+def _deadline() -> float | None:
     deadline = os.environ.get(DEADLINE_ENV)
+    return None if deadline is None else float(deadline)
+
+
+def _time_left_s() -> float:
+    """The bound of one rank run: RUN_BOUND_S, or less if the kit's deadline comes sooner (plus
+    30 s for the run that is under way when it passes)."""
+    deadline = _deadline()
     if deadline is None:
-        return 600.0
-    return max(30.0, min(600.0, float(deadline) - time.time() + 30.0))
+        return RUN_BOUND_S
+    return max(30.0, min(RUN_BOUND_S, deadline - time.time() + 30.0))
 
 
 _RUNS: dict = {}
@@ -80,7 +90,10 @@ _RUNS: dict = {}
 def ranks(fn, setting_: tuple, args: tuple = (), set_device: bool = True):
     """fn(rank, world_size, *args) on the ranks of `setting_` ((backend, world size)), once per
     session: the per-rank results, or the same error for every test that reads a run that
-    failed (run again, a failing run would cost every test its whole time)."""
+    failed (run again, a failing run would cost every test its whole time). A run stopped
+    because the kit's deadline passed skips its readers as not reached."""
+    from kit_plugin import NOT_REACHED
+
     key = (fn, setting_, args, set_device)
     if key not in _RUNS:
         backend, world_size = setting_
@@ -88,9 +101,14 @@ def ranks(fn, setting_: tuple, args: tuple = (), set_device: bool = True):
             _RUNS[key] = ("ok", run_ranks(fn, world_size, args=args, timeout_s=_time_left_s(),
                                           pg_timeout_s=120, backend=backend,
                                           set_device=set_device))
+        except RankTimeout as error:
+            past = _deadline() is not None and time.time() > _deadline()
+            _RUNS[key] = ("skip" if past else "error", error)
         except Exception as error:  # noqa: BLE001 - re-raised for every reader below
             _RUNS[key] = ("error", error)
     status, value = _RUNS[key]
+    if status == "skip":
+        pytest.skip(f"{NOT_REACHED} ({fn.__name__}'s ranks were stopped at the deadline)")
     if status == "error":
         raise RuntimeError(f"{fn.__name__} on {setting_[0]} x {setting_[1]} failed (this run is "
                            f"shared by several tests): {value}") from value

@@ -23,7 +23,8 @@ def _steps(model, device, steps, seed, cpu_inputs=False):
         opt.zero_grad()
         x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
         out = model(x if cpu_inputs else x.to(device))
-        torch.nn.functional.mse_loss(out, y.to(device)).backward()
+        # float: mixed precision's outputs are float16/bfloat16, and mse_loss wants one dtype
+        torch.nn.functional.mse_loss(out.float(), y.to(device)).backward()
         grads.append([p.grad.detach().clone() for p in model.parameters()])
         opt.step()
     return grads
@@ -403,6 +404,7 @@ def check_finite_worker(rank, world_size):
     gen = torch.Generator().manual_seed(rank)
     for step in range(1, 4):
         state["step"] = step
+        model.zero_grad()  # else step 2's NaN stays in .grad and step 3 raises too
         try:
             model(torch.randn(16, 32, generator=gen).to(device)).square().mean().backward()
             errors.append(None)

@@ -2,6 +2,8 @@
 
 - PYREDUCER_KIT_DEADLINE (seconds since the epoch): a test that would start after it is skipped
   with the reason instead, so the session ends in time with every test accounted for.
+  With a deadline, the tests run in the order of their worth per second (priority()): what
+  only a GPU can check first, the longest runs last.
 - PYREDUCER_KIT_PLAN (a path; the rehearsal, with --collect-only): after collection, writes
   which tests would run and which would be skipped, and why, as JSON.
 """
@@ -19,6 +21,30 @@ def pytest_runtest_setup(item):
     deadline = os.environ.get("PYREDUCER_KIT_DEADLINE")
     if deadline is not None and time.time() > float(deadline):
         pytest.skip(NOT_REACHED)
+
+
+# Within a file, by setting: ranks sharing the GPU over Gloo (2, then 3), then NCCL with one GPU
+# per rank; the parity scenarios (two long runs, the same logic as on CPU) after the rest.
+_SETTING_ORDER = {"gloo2": 0, "gloo3": 1, "nccl2": 2, "nccl3": 3}
+_LONG_RUNS = ("test_matches_torch_ddp", "test_rebuilt_plans_are_the_same_on_every_rank")
+
+
+def priority(item, index: int) -> tuple:
+    """The sort key of a collected test: its file's place on the command line (kernels, then
+    one rank, then several), its setting, the long parity runs last, then collection order."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    setting = params.get("setting")
+    setting_rank = _SETTING_ORDER.get(f"{setting[0]}{setting[1]}", 9) if setting else -1
+    return (setting_rank, item.originalname in _LONG_RUNS, index)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if os.environ.get("PYREDUCER_KIT_DEADLINE") is None and not os.environ.get("PYREDUCER_KIT_PLAN"):
+        return
+    files = list(dict.fromkeys(item.path for item in items))  # command-line order
+    keyed = sorted(enumerate(items),
+                   key=lambda pair: (files.index(pair[1].path),) + priority(pair[1], pair[0]))
+    items[:] = [item for _, item in keyed]
 
 
 def pytest_collection_finish(session):

@@ -6,8 +6,9 @@
 It uses the interpreter that runs it and the torch installed there; it downloads and installs
 nothing. In order, each step printed as it ends:
   1. facts: interpreter, torch, CUDA, NCCL, GPUs, nvcc, cores;
-  2. pip would keep that torch: `pip install --dry-run --no-index --no-build-isolation .`
-     resolves pyreducer's requirements against what is installed, offline;
+  2. pip would keep that torch: offline, `pip install --dry-run --no-index` finds
+     pyreducer's requirements satisfied by what is installed (and notes whether
+     `pip install --no-build-isolation .` itself works);
   3. the build: pyreducer with its CUDA kernels for the visible GPUs' architectures (--arch
      chooses), with every core, into build/gpu-kit (not in place), and its import;
   4. the tests (tests/gpu and the CUDA op tests; --full: the whole suite) until the tests'
@@ -33,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 
@@ -95,12 +97,17 @@ class Kit:
         self.say("$ " + " ".join(command))
         log = open(os.path.join(self.out, log_name), "a") if self.out and log_name else None
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                   stderr=subprocess.STDOUT, text=True, encoding="utf-8",
+                                   errors="replace", start_new_session=True)
         killed = threading.Event()
 
         def kill():
-            killed.set()
-            os.killpg(process.pid, signal.SIGKILL)
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    killed.set()
+                except ProcessLookupError:  # it ended meanwhile
+                    pass
 
         timer = threading.Timer(timeout_s, kill) if timeout_s is not None else None
         if timer:
@@ -144,22 +151,33 @@ def facts() -> dict:
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                 python=f"{platform.python_version()} ({sys.executable})", torch=torch.__version__,
                 cuda=torch.version.cuda, nccl=nccl, gpus=", ".join(gpus) or "none visible",
-                nvcc=nvcc_version(), cores=os.cpu_count(), machine=platform.machine())
+                nvcc=nvcc_version(), ninja=shutil.which("ninja") or "not on PATH",
+                cores=os.cpu_count(), machine=platform.machine())
 
 
 def pip_keeps_torch(kit: Kit) -> str:
-    """Whether `pip install --no-build-isolation .` would install pyreducer alone, offline."""
+    """Whether pip, offline, finds pyreducer's requirements (pyproject.toml) satisfied by what is
+    installed, so that it would not replace torch; then whether `pip install --dry-run
+    --no-build-isolation .` itself works (a note if not: old setuptools without wheel fail)."""
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        requirements = tomllib.load(f)["project"]["dependencies"]
     report_path = os.path.join(REPO, "build", "gpu-kit-pip-report.json")
     os.makedirs(os.path.dirname(report_path), exist_ok=True)
-    status = kit.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
-                      "--no-build-isolation", "--quiet", "--report", report_path, "."],
-                     "build.log", timeout_s=300)
+    dry_run = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--quiet",
+               "--report", report_path]
+    status = kit.run(dry_run + requirements, "build.log", timeout_s=120)
     if status != 0:
-        return f"FAILED: pip exited with {status}: {last_error(kit, 'build.log')}"
+        return f"FAILED: pip cannot satisfy {requirements} offline: {last_error(kit, 'build.log')}"
     with open(report_path) as f:
         names = sorted(entry["metadata"]["name"] for entry in json.load(f).get("install", []))
-    return "ok: pip would install pyreducer alone" if names == ["pyreducer"] else \
-        f"FAILED: pip would install {names}"
+    if names:
+        return f"FAILED: for {requirements} pip would install {names}"
+    status = kit.run(dry_run + ["--no-build-isolation", "."], "build.log", timeout_s=180)
+    note = "" if status == 0 else \
+        f"; but `pip install --no-build-isolation .` fails here: {last_error(kit, 'build.log')}"
+    return f"ok: {requirements} are satisfied by what is installed{note}"
 
 
 def last_error(kit: Kit, log_name: str) -> str:
@@ -176,15 +194,18 @@ def last_error(kit: Kit, log_name: str) -> str:
     return found
 
 
-def build(kit: Kit, arch: str | None, build_dir: str, jobs: int) -> bool:
+def build(kit: Kit, arch: str | None, build_dir: str, jobs: int, timeout_s: float) -> bool:
     """pyreducer built with its CUDA kernels into build_dir/pkg (the package and its _C), then
-    imported there; True if both worked."""
-    env = dict(os.environ, MAX_JOBS=str(jobs), PYREDUCER_CUDA="1")
+    imported there; True if both worked within `timeout_s`."""
+    env = dict(os.environ, MAX_JOBS=str(jobs), PYREDUCER_CUDA="1",
+               PATH=os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")]))
     if arch:
         env["TORCH_CUDA_ARCH_LIST"] = arch
+    if not shutil.which("ninja", path=env["PATH"]):  # torch would compile one file at a time
+        kit.say("no ninja on PATH or beside this interpreter: the build will be slow")
     status = kit.run([sys.executable, "setup.py", "build_ext", "--build-lib",
                       os.path.join(build_dir, "lib"), "--build-temp",
-                      os.path.join(build_dir, "temp")], "build.log", env=env)
+                      os.path.join(build_dir, "temp")], "build.log", env=env, timeout_s=timeout_s)
     if status != 0:
         return False
     package = os.path.join(build_dir, "pkg", "pyreducer")
@@ -197,14 +218,16 @@ def build(kit: Kit, arch: str | None, build_dir: str, jobs: int) -> bool:
     check = ("import torch, pyreducer; assert pyreducer._C.WITH_CUDA, 'built without CUDA "
              "kernels'; print('imported pyreducer from', pyreducer.__file__, 'with CUDA kernels "
              "against torch', torch.__version__, '; GPUs visible:', torch.cuda.device_count())")
-    return kit.run([sys.executable, "-P", "-c", check], "build.log",
+    return kit.run([sys.executable, "-P", "-c", check], "build.log", timeout_s=120,
                    env=dict(os.environ, PYTHONPATH=os.path.dirname(package))) == 0
 
 
 def pytest_command(selection: list[str], junit: str | None, extra: list[str]) -> list[str]:
     # -P: the checkout's own pyreducer (no _C built in place) must not shadow build/gpu-kit's.
+    # -v: pytest.log names each test as it ends (junit.xml is written only at the session's
+    # end); --durations: the next run's budget can be planned from this one's.
     command = [sys.executable, "-P", "-m", "pytest", "-p", "no:cacheprovider", "-p", "kit_plugin",
-               "-q", "-rfEs"] + extra
+               "-v", "-rfEs", "--durations=30"] + extra
     return command + (["--junitxml", junit] if junit else []) + selection
 
 
@@ -221,7 +244,7 @@ def run_tests(kit: Kit, package_dir: str, deadline_s: float) -> None:
     selection = FULL if kit.args.full else SELECTION
     status = kit.run(pytest_command(selection, junit, []), "pytest.log",
                      env=test_env(package_dir, PYREDUCER_KIT_DEADLINE=wall_deadline),
-                     timeout_s=deadline_s - kit.elapsed_s() + 120)
+                     timeout_s=max(60.0, deadline_s - kit.elapsed_s() + 120))
     if not os.path.exists(junit):
         kit.step("tests", f"FAILED: pytest exited with {status} and wrote no junit.xml "
                           "(pytest.log)", started)
@@ -275,8 +298,8 @@ def main(argv=None) -> int:
                         "selection")
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="seconds for everything (default 540)")
-    parser.add_argument("--bench-s", type=float, default=150.0, help="seconds kept for the "
-                        "benchmark at the end (default 150; 0: no benchmark)")
+    parser.add_argument("--bench-s", type=float, default=120.0, help="seconds kept for the "
+                        "benchmark at the end (default 120; 0: no benchmark)")
     parser.add_argument("--arch", help="TORCH_CUDA_ARCH_LIST for the build (default: the visible "
                         f"GPUs'; {REHEARSAL_ARCH} with --rehearse)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="compile jobs "
@@ -302,7 +325,8 @@ def main(argv=None) -> int:
         started = time.monotonic()
         kit.step("pip check", pip_keeps_torch(kit), started)
     started = time.monotonic()
-    built = build(kit, arch, args.build_dir, args.jobs)
+    built = build(kit, arch, args.build_dir, args.jobs,
+                  1800.0 if args.build_only else max(60.0, args.budget_s - kit.elapsed_s() - 60))
     kit.step("build", f"{'ok' if built else 'FAILED'}: architectures {arch or 'of the visible GPUs'}"
                       f", {args.jobs} jobs (build.log)", started)
     package_dir = os.path.join(args.build_dir, "pkg")

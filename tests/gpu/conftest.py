@@ -1,9 +1,10 @@
 """The GPU kit: what only a GPU can check (CUDA kernels, NCCL, CUDA streams and events).
 
 Everything here is skipped, with the reason, where CUDA or a CUDA build of pyreducer is absent;
-CI collects it (a collection error fails CI) but cannot run it. `make gpu-test` builds the
-CUDA extension and runs the kit (and the CUDA variants of tests/unit/test_ops.py), then prints
-what ran and what could not (world sizes above the visible GPU count are skipped).
+CI collects it (a collection error fails CI; `make gpu-rehearsal` plans it for one GPU) but
+cannot run it. tests/gpu/run_kit.py (`make gpu-test`) builds the CUDA extension and runs the kit
+(and the CUDA variants of tests/unit/test_ops.py), then says what ran and what could not (NCCL
+settings with more ranks than visible GPUs are skipped; Gloo ranks share the GPU: gpu_kit.py).
 """
 from gpu_kit import GPUS, WITH_CUDA
 

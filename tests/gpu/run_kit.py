@@ -56,10 +56,9 @@ class Kit:
     def __init__(self, args):
         self.args, self.start = args, time.monotonic()
         self.out = os.path.abspath(args.out) if args.out else None
-        if self.out:
-            os.makedirs(self.out, exist_ok=True)
         self.log = None
         if self.out:  # append mode: the benchmark's output is appended to the same file
+            os.makedirs(self.out, exist_ok=True)
             for name in ("kit.log", "build.log", "pytest.log"):
                 open(os.path.join(self.out, name), "w").close()
             self.log = open(os.path.join(self.out, "kit.log"), "a")

@@ -42,7 +42,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.append(os.path.join(HERE, ".."))
 
 from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable, check_available  # noqa: E402
 

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pyreducer.tools.compare import compare_worker, summarize  # noqa: E402
 from pyreducer.testing import run_ranks  # noqa: E402

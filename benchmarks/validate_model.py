@@ -18,7 +18,7 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pyreducer.tuning import LinkModel, Profile, predict_step_ms  # noqa: E402
 from pyreducer.tuning.stepmodel import cap_plan  # noqa: E402

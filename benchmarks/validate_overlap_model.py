@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks import tables  # noqa: E402
 from pyreducer.tuning.schedule import OverlapProfile, Schedule  # noqa: E402

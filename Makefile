@@ -102,12 +102,13 @@ gpu-rehearsal: $(OLDEST_STAMP)
 	    --out $(REHEARSAL_OUT)
 
 # The oldest supported torch against its own DDP, on the rehearsal's build (CUDA kernels
-# compiled, run on the CPU): the unit layer, the 2-rank parity, the plans, DDP's private API.
+# compiled, run on the CPU), at 2 ranks: the unit layer, the parity scenarios, the plans, DDP's
+# private API, and torch's own DDP tests from that wheel.
 test-torch-oldest: gpu-rehearsal
 	PYTHONPATH=$(abspath build/gpu-kit/pkg) $(OLDEST_VENV)/bin/python -P -m pytest -q \
 	    -p no:cacheprovider $(PYTEST_ARGS) tests/unit tests/multirank/test_parity.py \
 	    tests/multirank/test_plan_matches_ddp.py tests/multirank/test_ddp_private_api.py \
-	    -k "not 3ranks"
+	    tests/multirank/test_torch_suite.py -k "not 3ranks"
 endif
 
 # On the GPU machine (no network; its own interpreter and torch): the GPU kit in one command,

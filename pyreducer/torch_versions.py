@@ -2,14 +2,14 @@
 
 Each difference is found by feature in the installed torch, not by version number, and pyreducer
 follows the installed torch's DDP (see README "Supported torch versions"):
-  - torch 2.13 added DDP's `forward_sync_buffers` and `batched_grad_copy`, and deprecated
-    `broadcast_buffers` (default None, a FutureWarning when given). Up to 2.12,
+  - torch 2.12 added DDP's `batched_grad_copy`; 2.13 added `forward_sync_buffers` and
+    deprecated `broadcast_buffers` (default None, a FutureWarning when given). Up to 2.12,
     `broadcast_buffers` defaults to True and nothing warns. pyreducer takes both new arguments
     on every torch (after the installed DDP's own), with the installed DDP's default and
     warnings for `broadcast_buffers`.
   - torch 2.11's DDP fails with delay_all_reduce_named_params and a fractional bucket_cap_mb
     (DDP_DELAY_TAKES_FRACTIONAL_CAP below); pyreducer does not.
-  - torch 2.13 made autograd nodes intrusive_ptr-owned (std::shared_ptr before): the C++ side
+  - torch 2.13 made autograd nodes intrusive_ptr-owned (std::shared_ptr up to 2.12): the C++ side
     takes the type from torch (csrc/reducer.cpp, AccumulatorOwners).
 """
 import inspect
@@ -28,13 +28,13 @@ DDP_ARGUMENTS = frozenset(_DDP_ARGUMENTS)
 
 # torch 2.13+: broadcast_buffers is deprecated in favour of forward_sync_buffers.
 DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in _DDP_ARGUMENTS
-# torch 2.13+: DDP has batched_grad_copy (pyreducer has it on every torch).
+# torch 2.12+: DDP has batched_grad_copy (pyreducer has it on every torch).
 DDP_HAS_BATCHED_GRAD_COPY = "batched_grad_copy" in _DDP_ARGUMENTS
 # The installed DDP's default: None from 2.13 (deprecated), True before.
 BROADCAST_BUFFERS_DEFAULT = _DDP_ARGUMENTS["broadcast_buffers"].default
 # torch 2.11's DDP raises TypeError (in _register_delay_all_reduce_hook's _broadcast_coalesced,
 # which takes an int) for delay_all_reduce_named_params with a fractional bucket_cap_mb such as
-# 0.1: it hands the float on. torch 2.13 hands on whole MiB (_BucketCapacityConfig, which came
+# 0.1: it hands the float on. torch 2.12 hands on whole MiB (_BucketCapacityConfig, which came
 # with the change). pyreducer takes any cap; a test that needs torch's oracle there gives such a
 # torch a whole cap.
 DDP_DELAY_TAKES_FRACTIONAL_CAP = hasattr(_ddp_module, "_BucketCapacityConfig")

@@ -40,7 +40,7 @@ def make_case(seed: int) -> dict:
                broadcast_buffers=rng.random() < 0.8,
                batched_grad_copy=rng.random() < 0.3)
     if not torch_versions.DDP_HAS_BATCHED_GRAD_COPY:  # drawn all the same: the same cases
-        del ddp["batched_grad_copy"]  # torch < 2.13: no oracle for it
+        del ddp["batched_grad_copy"]  # torch 2.11: no oracle for it
     micro = rng.choice((1, 1, 2, 3))
     # static_graph with no_sync: torch DDP 2.13 fails an internal assert (expect_autograd_hooks_),
     # so there is no oracle for it

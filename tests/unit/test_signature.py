@@ -23,8 +23,8 @@ def _params(fn):
     return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values()]
 
 
-# torch 2.13's arguments that older torch lacks: pyreducer serves them on every torch, after the
-# installed DDP's own (pyreducer/torch_versions.py).
+# Arguments of torch 2.12-2.13 that older torch lacks: pyreducer serves them on every torch,
+# after the installed DDP's own (pyreducer/torch_versions.py).
 NEWER_TORCH = ["batched_grad_copy", "forward_sync_buffers"]
 # pyreducer's own arguments: keyword-only, after all of DDP's.
 EXTRAS = ["bucket_plan", "timeline_iterations", "gradient_predivide_factor", "reduce_dtype",

@@ -333,6 +333,7 @@ void bind_reducer(py::module_& m) {
       .def("launch_chunks", &Reducer::launch_chunks, RELEASE)
       .def("has_comm_hook", &Reducer::has_comm_hook, RELEASE)
       .def("plan_version", &Reducer::plan_version, RELEASE)
+      .def("rebuild_pending", &Reducer::rebuild_pending, RELEASE)
       .def("divide_next_backward_by", &Reducer::divide_next_backward_by, py::arg("ranks"),
            RELEASE)
       .def_property_readonly("num_iterations",

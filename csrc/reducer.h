@@ -230,6 +230,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Bucket plans installed so far, minus one (a timeline record's plan_version): it changes
   // with every rebuild or apply_plan, even to the same buckets.
   int64_t plan_version() const;
+  // Whether the plan in force is provisional: the rebuild along the observed ready order (see
+  // Note [Bucket rebuild]) is still to come. Any thread. pyreducer/compiled runs a compiled
+  // model eagerly until then, so the rebuild observes a real order and the compile sees the
+  // final buckets.
+  bool rebuild_pending() const;
 
   // The last synced backward that finished (see BackwardStats).
   BackwardStats last_backward_stats() const;

@@ -226,6 +226,11 @@ std::vector<int64_t> Reducer::launch_order() const {
   return launch_order_;
 }
 
+bool Reducer::rebuild_pending() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return rebuild_pending_;
+}
+
 int64_t Reducer::plan_version() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return static_cast<int64_t>(plan_history_.size()) - 1;

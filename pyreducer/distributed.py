@@ -20,6 +20,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from pyreducer import (arguments, bucketing, failures, nested, precision, sync, teardown,
                        torch_versions)
+from pyreducer.compiled import CompiledSplits, frames
 from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.ddp_logging import DDPLogger
@@ -70,6 +71,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     """
 
     _buffer_group = None  # overlap_optimizer(): Note [Buffers beside deferred reductions]
+    _compiled = None  # CompiledSplits; none where every parameter's all-reduce is delayed
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
                  broadcast_buffers=torch_versions.BROADCAST_BUFFERS_DEFAULT, init_sync=True, process_group=None, bucket_cap_mb=None,
@@ -178,6 +180,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.forward_sync_buffers, self.find_unused_parameters, self.gradient_as_bucket_view,
             self.static_graph, self.bucket_bytes_cap)
         self._tuning = BucketTuning(self._params, self.reducer)
+        self._compiled = CompiledSplits(self._params, self.reducer)  # pyreducer/compiled
+        self._compiled.install(self.module)
         self._autotune = AutoTuner(self._autotune_config, self._tuning) \
             if self._autotune_config else None
 
@@ -197,7 +201,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                                   self._overlap is not None)
         state = dict(self.__dict__)
         for name in ("process_group", "reducer", "_params", "_tuning", "_autotune", "_recorder",
-                     "_logger", "_watch", "_failures"):
+                     "_logger", "_watch", "_failures", "_compiled"):
             state.pop(name)
         if self._recorder is not None:  # its forward hooks belong to this process's recording
             state["_forward_pre_hooks"] = self._recorder.without_hooks(self._forward_pre_hooks)
@@ -221,22 +225,27 @@ class DistributedDataParallel(nn.Module, Joinable):
             return None
         from pyreducer.observe.recorder import Recorder  # a tool: loaded only when asked for
 
-        return Recorder.attach(self, self._params, self.reducer, out_dir)
+        return Recorder.attach(self, self._params, self.reducer, out_dir, compiled=self._compiled)
 
     # -- DDP's forward ---------------------------------------------------------------------------
+    @frames.run_eagerly  # never traced: Note [The wrapper's forward under torch.compile]
     def forward(self, *inputs, **kwargs):
-        with torch.autograd.profiler.record_function("pyreducer.DistributedDataParallel.forward"):
-            if self._delay_all_reduce_all_params:  # no Reducer (torch DDP: the same)
-                output = self.module(*inputs, **kwargs)
-                self._delayed.reset_grads()
-                return output
-            with self._failures.phase(f"forward of iteration {self.reducer.num_iterations + 1}"):
-                inputs, kwargs = self._pre_forward(inputs, kwargs)
-            with nullcontext() if self._overlap is None else self._overlap.around_forward(
-                    self._tune_now):
-                output = self._mixed(*inputs, **kwargs) if self._mixed is not None \
-                    else self.module(*inputs, **kwargs)
-            return self._post_forward(output)
+        outer = frames.swap_callback(None)  # first: no frame below compiled but the module's
+        try:
+            with torch.autograd.profiler.record_function("pyreducer.DistributedDataParallel.forward"):
+                if self._delay_all_reduce_all_params:  # no Reducer (torch DDP: the same)
+                    output = CompiledSplits.call_unsplit(outer, lambda: self.module(*inputs, **kwargs))
+                    self._delayed.reset_grads()
+                    return output
+                with self._failures.phase(f"forward of iteration {self.reducer.num_iterations + 1}"):
+                    inputs, kwargs = self._pre_forward(inputs, kwargs)
+                with nullcontext() if self._overlap is None else self._overlap.around_forward(
+                        self._tune_now):
+                    output = self._compiled.call(outer, lambda: self.module(*inputs, **kwargs) if
+                                                 self._mixed is None else self._mixed(*inputs, **kwargs))
+                return self._post_forward(output)
+        finally:
+            frames.swap_callback(outer)
 
     def _pre_forward(self, inputs, kwargs):
         """DDP's collectives before the module runs, in this order on every rank; joined ranks
@@ -323,6 +332,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     def save_bucket_plan(self, path) -> None:
         """Writes bucket_plan() as JSON; pass the path as bucket_plan= to replay it."""
         bucketing.save_plan(self.bucket_plan(), path)
+
+    def compiled_summary(self) -> dict:
+        """Under torch.compile: the compiled modules given pyreducer's splitting forward, and per
+        captured graph the pieces it was split into at this plan's buckets (pyreducer/compiled)."""
+        return self._compiled.summary() if self._compiled is not None else {}
 
     def timeline(self, last: int = 1) -> list[dict]:
         """The last `last` synced iterations' events on this rank (fields: pyreducer.timeline)."""
@@ -475,10 +489,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore):
-        """Excludes parameters and buffers (fully qualified names) from reduction and syncing.
-
-        Same contract as torch DDP's: call on the plain module before wrapping it.
-        """
+        """Excludes parameters and buffers (fully qualified names) from reduction and syncing;
+        torch DDP's contract: call on the plain module before wrapping it."""
         module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
         for name, param in module.named_parameters():
             if name in params_and_buffers_to_ignore:

@@ -10,7 +10,9 @@ every synced forward, and at exit (or when the wrapper is freed) writes, without
 `rank<R>.json` (R: the global rank; `rank<R>.model<K>.json` for the K-th further wrapper built
 in that process): the rank's last timeline_iterations iterations of the timeline, its step
 profile (for `python -m pyreducer simulate`), its rank in the wrapper's process group, the clock
-offset, and a run id shared by the ranks of one run (so that a report never mixes runs). `python -m pyreducer report out/` merges the ranks' files into
+offset, a run id shared by the ranks of one run (so that a report never mixes runs), and under
+torch.compile how the captured graphs were split at buckets (`compiled`, the wrapper's
+compiled_summary()). `python -m pyreducer report out/` merges the ranks' files into
 the Chrome trace, plots and summary (pyreducer/observe/report.py).
 
 The profile's forward_ms is the median synced forward; optimizer_ms is the rest of the step:
@@ -55,12 +57,14 @@ class Recorder:
         self.hook_ids: set = set()  # the forward hooks attach() registered on the wrapper
         self._started = 0
         self.written: str | None = None
+        self.compiled = None  # pyreducer.compiled.CompiledSplits, set by attach()
 
     @staticmethod
-    def attach(ddp, params, reducer, out_dir: str) -> "Recorder":
+    def attach(ddp, params, reducer, out_dir: str, compiled=None) -> "Recorder":
         """Records `ddp` (collective: measures clock offsets); writes at exit or when `ddp` is
         freed, whichever comes first."""
         recorder = Recorder(params, reducer, out_dir, next(_wrappers_built))
+        recorder.compiled = compiled  # CompiledSplits: how torch.compile's graphs were split
         recorder.hook_ids = {
             ddp.register_forward_pre_hook(lambda module, args: recorder._forward_start()).id,
             ddp.register_forward_hook(lambda module, args, output: recorder._forward_end()).id}
@@ -111,7 +115,8 @@ class Recorder:
                         global_rank=self.global_rank, run_id=self.run_id,
                         host=socket.gethostname(), pid=os.getpid(),
                         clock_offset_ns=self.clock_offset_ns, timeline=records,
-                        profile=self.profile(records))
+                        profile=self.profile(records),
+                        compiled=self.compiled.summary() if self.compiled is not None else None)
         with open(self.path(), "w") as f:
             json.dump(document, f)
         self.written = self.path()

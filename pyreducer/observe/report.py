@@ -18,7 +18,23 @@ from pyreducer.observe.trace import chrome_trace, shift_record
 RANK_FILE = re.compile(r"rank(\d+)(?:\.model(\d+))?\.json$")
 
 
-def summary_text(timelines: list[list[dict]]) -> str:
+def compiled_text(compiled: dict | None) -> list[str]:
+    """Lines on how torch.compile's graphs were split at buckets (a wrapper's compiled_summary(),
+    rank 0's); none for an eager model."""
+    if not compiled or not compiled.get("graphs"):
+        return []
+    graphs = compiled["graphs"]
+    lines = [f"torch.compile: {len(graphs)} graph(s) captured, split at pyreducer's buckets into "
+             f"{sum(g['pieces'] for g in graphs)} piece(s) (pyreducer/compiled)"]
+    for i, g in enumerate(graphs):
+        opened = "; ".join(f"piece {k}: {g['nodes'][k]} nodes, buckets {g['buckets'][k]} "
+                           f"({', '.join(g['params'][k][:3])}{', ...' if len(g['params'][k]) > 3 else ''})"
+                           for k in range(g["pieces"]))
+        lines.append(f"  graph {i} ({g['compiler']}, plan of {g['plan_buckets']} buckets): {opened}")
+    return lines
+
+
+def summary_text(timelines: list[list[dict]], compiled: dict | None = None) -> str:
     lines = ["overlap of bucket all-reduces with backward (mean over recorded iterations, ms)",
              f"{'rank':>4} {'iters':>5} {'buckets':>7} {'backward':>9} {'comm busy':>9} "
              f"{'hidden':>8} {'exposed':>8} {'overlap':>8} {'wait':>8} {'last-bucket bound':>17}"]
@@ -39,11 +55,13 @@ def summary_text(timelines: list[list[dict]]) -> str:
             lines.append(f"rank {rank}: the next forward's waits for all-reduces by module that "
                          f"read (mean ms per iteration): " +
                          ", ".join(f"{name} {ms:.2f}" for name, ms in list(waits.items())[:8]))
+    lines += compiled_text(compiled)
     lines.append("definitions: pyreducer/timeline.py (and the README)")
     return "\n".join(lines)
 
 
-def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = None) -> dict:
+def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = None,
+                 compiled: dict | None = None) -> dict:
     """Writes trace.json, timeline.json, gantt.png, overlap.png, summary.txt (and profile.json,
     rank 0's step profile for `python -m pyreducer simulate`, if given) into out_dir.
 
@@ -73,7 +91,7 @@ def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = No
         paths["profile.json"] = os.path.join(out_dir, "profile.json")
         with open(paths["profile.json"], "w") as f:
             json.dump(profile, f)
-    text = summary_text(timelines)
+    text = summary_text(timelines, compiled)
     with open(paths["summary.txt"], "w") as f:
         f.write(text + "\n")
     return dict(paths=paths, summary=text, notes=notes)
@@ -128,4 +146,5 @@ def report_dir(out_dir, model: int = 0, keep: int | None = None) -> dict:
     if not any(timelines):
         raise InputError(f"{out_dir}: the rank files hold no recorded iteration (no synced "
                          f"backward ran, or timeline_iterations=0)")
-    return write_report(timelines, out_dir, profile=ranks[0]["profile"])
+    return write_report(timelines, out_dir, profile=ranks[0]["profile"],
+                        compiled=ranks[0].get("compiled"))

@@ -246,28 +246,37 @@ def test_a_step_replaced_on_the_optimizer_is_named_in_a_warning(ranks_once):
 
 
 def compiled_worker(rank, world_size):
-    """A forward compiled by torch.compile (aot_eager: no C++ compiler needed) reads the
-    parameters through dynamo's graph: every forward's output equals the one with torch DDP's
-    step. A TorchScript module, whose forward reads them in C++, is refused by name."""
+    """A forward compiled by torch.compile (aot_eager: no C++ compiler needed), both ways in,
+    reads the parameters through dynamo's graphs (split at the buckets: pyreducer/compiled):
+    every forward's output equals the one with torch DDP's step. A TorchScript module, whose
+    forward reads them in C++, is refused by name."""
+    import torch._dynamo
+
     from pyreducer import DistributedDataParallel
 
     outputs = {}
-    for overlapped in (True, False):
-        torch.manual_seed(0)
-        module = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)),
-                               backend="aot_eager")
-        model = DistributedDataParallel(module, bucket_cap_mb=0.0001)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-        if overlapped:
-            opt = model.overlap_optimizer(opt, schedule="fifo")
-        gen = torch.Generator().manual_seed(rank)
-        outputs[overlapped] = []
-        for _ in range(4):
-            out = model(torch.randn(4, 8, generator=gen))
-            outputs[overlapped].append(out.detach().clone())
-            out.sum().backward()
-            opt.step()
-            opt.zero_grad()
+    for order in ("inner", "outer"):
+        for overlapped in (True, False):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+            if order == "inner":
+                model = DistributedDataParallel(torch.compile(module, backend="aot_eager"),
+                                                bucket_cap_mb=0.0001)
+            else:
+                model = torch.compile(DistributedDataParallel(module, bucket_cap_mb=0.0001),
+                                      backend="aot_eager")
+            opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+            if overlapped:
+                opt = model.overlap_optimizer(opt, schedule="fifo")
+            gen = torch.Generator().manual_seed(rank)
+            outputs[order, overlapped] = []
+            for _ in range(4):
+                out = model(torch.randn(4, 8, generator=gen))
+                outputs[order, overlapped].append(out.detach().clone())
+                out.sum().backward()
+                opt.step()
+                opt.zero_grad()
     scripted = DistributedDataParallel(torch.jit.script(nn.Sequential(nn.Linear(8, 2))))
     try:
         scripted.overlap_optimizer(torch.optim.SGD(scripted.parameters(), lr=0.1))
@@ -279,7 +288,9 @@ def compiled_worker(rank, world_size):
 
 def test_compiled_forward_sees_every_update_and_torchscript_is_refused(ranks_once):
     for rank, r in enumerate(ranks_once(compiled_worker, 2, ())):
-        assert _equal(r["outputs"][True], r["outputs"][False]), f"rank {rank}"
+        for order in ("inner", "outer"):
+            assert _equal(r["outputs"][order, True], r["outputs"][order, False]), \
+                f"rank {rank}, {order}"
         assert r["refused"] and "holds TorchScript modules ((root), 0)" in r["refused"], r["refused"]
 
 

@@ -27,6 +27,8 @@ compute (Gloo and the kernel's network stack share the core), so the run also me
 while a flat all-reduce runs and reports the bound with that backward ("with contention").
 
     python benchmarks/bench.py --link 1gbit --nproc 2 --model transformer --impl all --json out.json
+    python benchmarks/bench.py --link 1gbit --model transformer --impl compute,torch,pyreducer,auto \\
+        --compile inductor --gantt gantt.png --json compiled.json
     python benchmarks/bench.py --link 1gbit,10gbit --model mlp_large --impl torch,pyreducer \\
         --bucket-cap-mb 0.5,1,2,4,8,16,25,64 --json sweep.json --plot sweep.png
 Needs root and iproute2 (network namespaces, tc); exits non-zero saying so otherwise.
@@ -62,6 +64,8 @@ def run_one(model, link, nproc, variants, caps, args) -> dict:
             argv += ["--batch", str(args.batch)]
         if args.interleave:
             argv += ["--interleave"]
+        if args.compile:
+            argv += ["--compile", args.compile]
         if args.loop_steps:
             argv += ["--loop-steps", str(args.loop_steps), "--hold-back", str(args.hold_back),
                      "--schedule", args.schedule]
@@ -90,6 +94,9 @@ def table(result) -> str:
              f"{result['link']}; one flat all-reduce of all gradients: "
              f"{result['comm_only_ms']:.1f} ms; parity max diff: "
              + ", ".join(f"{k} {v:.1g}" for k, v in result["parity_max_diff"].items())]
+    if result.get("compiled"):
+        lines.append(f"  every variant's module compiled: torch.compile(backend="
+                     f"{result['compiled']!r})")
     for cap, entry in result["results"].items():
         bound = entry.get("bound_ms")
         torch_ms = entry.get("torch", {}).get("median_ms")
@@ -118,6 +125,15 @@ def table(result) -> str:
             compute = s["forward"] + s["backward"] + s["step"]
             lines.append(f"    floor without the barrier = max(compute {compute:.1f}, comm "
                          f"{result['comm_only_ms']:.1f}) = {entry['floor_ms']:.1f} ms")
+        if "pyreducer_stats" in entry:
+            st = entry["pyreducer_stats"]
+            lines.append(f"    pyreducer overlap: {st.get('overlap_fraction', float('nan')):.2f} of "
+                         f"{st.get('comm_busy_ms', float('nan')):.1f} ms communication hidden in "
+                         f"backward (last 5 iterations)")
+        graphs = entry.get("pyreducer_compiled", {}).get("graphs", [])
+        if graphs:
+            lines.append(f"    pyreducer split {len(graphs)} captured graph(s) into "
+                         f"{[g['pieces'] for g in graphs]} piece(s) at its buckets")
         for variant in ("overlapped", "overlap"):
             lines += schedule_lines(variant, entry)
         if "backward_under_comm_ms" in entry:
@@ -172,6 +188,18 @@ def draw_overlap_gantts(result, path) -> None:
             print("wrote", plot.overlap_gantt(entry[f"{variant}_timeline"], out), flush=True)
 
 
+def draw_gantts(result, path) -> None:
+    """pyreducer's last recorded iteration on rank 0, per cap (compiled or eager)."""
+    from pyreducer.observe import plot
+
+    for cap, entry in result["results"].items():
+        if entry.get("pyreducer_timeline"):
+            stem = path[:-4] if path.endswith(".png") else path
+            mode = f"compiled_{result['compiled']}" if result.get("compiled") else "eager"
+            out = f"{stem}_{result['model']}_{result['link']}_{mode}_{cap}.png"
+            print("wrote", plot.gantt([entry["pyreducer_timeline"]], out), flush=True)
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), or platform.processor() where that is absent:
     machines of one kind differ (vgg's compute-only step: 190 ms on one, 270-290 on another)."""
@@ -223,6 +251,11 @@ def main(argv=None):
     parser.add_argument("--overlap-gantt", metavar="PNG",
                         help="two overlapped iterations of rank 0 (per model, link and cap: "
                              "the name gets _<model>_<link>_<cap> before .png)")
+    parser.add_argument("--compile", metavar="BACKEND",
+                        help="torch.compile every variant's module (nanoGPT's order: compile, "
+                             "then wrap), e.g. inductor")
+    parser.add_argument("--gantt", metavar="PNG",
+                        help="Gantt of pyreducer's last recorded iteration (rank 0), per run")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json")
     parser.add_argument("--plot", help="PNG of step time vs bucket cap (sweeps)")
@@ -241,6 +274,8 @@ def main(argv=None):
             print(table(result), flush=True)
             if args.overlap_gantt:
                 draw_overlap_gantts(result, args.overlap_gantt)
+            if args.gantt:
+                draw_gantts(result, args.gantt)
             results.append(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -34,6 +34,7 @@ OVERLAP_WARMUP = 84  # the overlapped optimizer plans after ~12 steps (6 of them
 # 2 rounds x 4 x 5 steps (its three best schedules and the step barrier) and a run-off of
 # 2 x 3 x 5 steps; then more steps, if its tuner has not decided yet (settle_schedule)
 SETTLE_MAX = 100  # at most this many more
+COMPILE = None  # --compile: torch.compile's backend for every variant's module (set in main)
 
 
 class Plain:
@@ -67,6 +68,8 @@ class Plain:
 
 def build(variant, base, cap):
     module = copy.deepcopy(base)
+    if COMPILE:  # nanoGPT's order: compile, then wrap
+        module = torch.compile(module, backend=COMPILE)
     if variant in ("compute", "per_param", "flat"):
         return Plain(module, variant)
     if variant == "torch":
@@ -225,8 +228,20 @@ def main():
     parser.add_argument("--schedule", default="auto", type=schedule_arg,
                         help="the overlapped variant's schedule (overlap_optimizer(schedule=)): "
                              "auto, fifo, or a chunk size in MB")
+    parser.add_argument("--compile", default=None, metavar="BACKEND",
+                        help="torch.compile every variant's module with this backend")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.compile:
+        global COMPILE
+        import torch._dynamo
+
+        COMPILE = args.compile
+        # every variant's model, and pyreducer's plans, are compiled code of the same forward:
+        # above dynamo's default limit (8) a variant would silently run eagerly
+        torch._dynamo.config.recompile_limit = 256
+        torch._dynamo.config.accumulated_recompile_limit = 4096
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank = dist.get_rank()
@@ -319,6 +334,8 @@ def main():
             entry["contended_floor_ms"] = max(beside + opt_step, comm_ms)
         if "pyreducer" in built:
             entry["buckets"] = len(built["pyreducer"].bucket_plan())
+            entry["pyreducer_timeline"] = built["pyreducer"].timeline(4)  # rank 0's
+            entry["pyreducer_compiled"] = built["pyreducer"].compiled_summary()
             entry["pyreducer_stats"] = built["pyreducer"].overlap_stats(last=5)["mean"]
             fwd_ms, opt_ms = (entry["compute_split_ms"]["forward"],
                               entry["compute_split_ms"]["step"]) if split else (0.0, 0.0)
@@ -343,7 +360,8 @@ def main():
                                          contention=loaded.contention,
                                          latency_under_load_s=loaded.latency_s,
                                          probe_s={str(k): v for k, v in probe.items()}),
-                           parity_max_diff=checked, results=results), f, indent=1)
+                           parity_max_diff=checked, compiled=args.compile, results=results),
+                      f, indent=1)
     built = opts = None  # the models dropped, torch DDP's before the group (see
     # pyreducer/testing/elastic_train.py)
     dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """Compiled-model scenarios: the parity models trained under torch.compile with torch DDP and with
 pyreducer, both ways in (tests/multirank/test_compiled.py).
 
-A scenario is a parity scenario (pyreducer/testing/parity.py SCENARIOS) plus how it is compiled:
+A scenario is a parity scenario (pyreducer/testing/parity.py SCENARIOS, its DDP options updated by
+`ddp`) plus how it is compiled:
 `order` "inner" is `DDP(torch.compile(model))` (nanoGPT's order), "outer" `torch.compile(DDP(model))`;
 `backend` is torch.compile's. torch DDP splits its graphs with dynamo's DDPOptimizer at its own
 estimate of its buckets, pyreducer at the buckets of its plan in force: where they cut alike and
@@ -38,6 +39,8 @@ COMPILED = {
     "cnn_fullgraph_aot_eager_outer": dict(base="bucket_view_zero_fill", order="outer",
                                           backend="aot_eager", torch_unsplit=True,
                                           fullgraph=True),
+    "static_graph_aot_eager_inner": dict(base="cnn_batchnorm_adam", order="inner",
+                                         backend="aot_eager", ddp=dict(static_graph=True)),
     "mlp_inductor_inner": dict(base="mlp_adam", order="inner", backend="inductor"),
     "cnn_batchnorm_inductor_outer": dict(base="cnn_batchnorm_sgd", order="outer",
                                          backend="inductor"),
@@ -67,7 +70,8 @@ def compiled_worker(rank, world_size, names):
     out = {}
     for name in names:
         spec = COMPILED[name]
-        scenario = parity.SCENARIOS[spec["base"]]
+        scenario = dict(parity.SCENARIOS[spec["base"]])
+        scenario["ddp"] = {**scenario.get("ddp", {}), **spec.get("ddp", {})}
         torch.manual_seed(17 + rank)
         base = parity._model_fns(scenario["model"])[0]()
         torch._dynamo.reset()

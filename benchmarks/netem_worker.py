@@ -234,14 +234,14 @@ def main():
     args = parser.parse_args()
     if args.compile:
         global COMPILE
-        import torch._dynamo
+        import torch._dynamo as dynamo  # (binds no local `torch`)
 
         COMPILE = args.compile
         # every variant's model, and pyreducer's plans, are compiled code of the same forward:
         # above dynamo's default limit (8) a variant would silently run eagerly
-        torch._dynamo.config.recompile_limit = 256
-        torch._dynamo.config.accumulated_recompile_limit = 4096
-        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        dynamo.config.recompile_limit = 256
+        dynamo.config.accumulated_recompile_limit = 4096
+        dynamo.config.fail_on_recompile_limit_hit = True
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank = dist.get_rank()

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pyreducer import distributed
+from pyreducer.compiled import frames
 
 # Apex's message for shared_param, which it deprecated and then refused.
 SHARED_PARAM_MESSAGE = (
@@ -95,6 +96,7 @@ class DistributedDataParallel(distributed.DistributedDataParallel):
                     post_value=factor / dist.get_world_size(self.process_group),
                     name="apex allreduce_bucket")
 
+    @frames.run_eagerly  # as the wrapper's (Note [The wrapper's forward under torch.compile])
     def forward(self, *inputs, **kwargs):
         if self.trigger_params is not None and self.require_backward_grad_sync and \
                 torch.is_grad_enabled() and self.reducer.num_iterations == 1:

@@ -180,7 +180,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.forward_sync_buffers, self.find_unused_parameters, self.gradient_as_bucket_view,
             self.static_graph, self.bucket_bytes_cap)
         self._tuning = BucketTuning(self._params, self.reducer)
-        self._compiled = CompiledSplits(self._params, self.reducer)  # pyreducer/compiled
+        self._compiled = CompiledSplits(self._params, self.reducer, self._mixed)  # compiled/
         self._compiled.install(self.module)
         self._autotune = AutoTuner(self._autotune_config, self._tuning) \
             if self._autotune_config else None
@@ -234,15 +234,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         try:
             with torch.autograd.profiler.record_function("pyreducer.DistributedDataParallel.forward"):
                 if self._delay_all_reduce_all_params:  # no Reducer (torch DDP: the same)
-                    output = CompiledSplits.call_unsplit(outer, lambda: self.module(*inputs, **kwargs))
+                    output = CompiledSplits.call_unsplit(outer, self.module, inputs, kwargs)
                     self._delayed.reset_grads()
                     return output
                 with self._failures.phase(f"forward of iteration {self.reducer.num_iterations + 1}"):
                     inputs, kwargs = self._pre_forward(inputs, kwargs)
                 with nullcontext() if self._overlap is None else self._overlap.around_forward(
                         self._tune_now):
-                    output = self._compiled.call(outer, lambda: self.module(*inputs, **kwargs) if
-                                                 self._mixed is None else self._mixed(*inputs, **kwargs))
+                    output = self._compiled.call(outer, self.module, inputs, kwargs)
                 return self._post_forward(output)
         finally:
             frames.swap_callback(outer)

@@ -91,18 +91,27 @@ class MixedPrecisionForward:
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.config, self.module = config, module
         self.names = [name for name, _ in module.named_parameters() if name not in ignored]
+        self.copies: dict = {}  # during a forward: id(copy) -> its parameter (pyreducer/compiled)
         if config.buffer_dtype is not None:
             for name, buffer in module.named_buffers():
                 if name not in ignored and buffer.is_floating_point():
                     buffer.data = buffer.to(config.buffer_dtype)
 
-    def __call__(self, *inputs, **kwargs):
+    def __call__(self, *inputs, _pyreducer_call=None, **kwargs):
+        """The module's forward on low-precision copies; `_pyreducer_call(fn, *args)` makes the
+        call that runs the module (pyreducer/compiled: with torch.compile's callback on for it
+        alone)."""
         dtype = self.config.param_dtype
         params = dict(self.module.named_parameters())
         low = {name: params[name].to(dtype) for name in self.names}
         inputs, kwargs = cast_inputs(dtype, inputs), cast_inputs(dtype, kwargs)
-        return torch.func.functional_call(self.module, low, inputs, kwargs, strict=False,
-                                          tie_weights=True)
+        self.copies = {id(low[name]): params[name] for name in self.names}
+        try:
+            call = _pyreducer_call or (lambda fn, *args, **options: fn(*args, **options))
+            return call(torch.func.functional_call, self.module, low, inputs, kwargs,
+                        strict=False, tie_weights=True)
+        finally:
+            self.copies = {}
 
 
 def cast_inputs(dtype: torch.dtype, obj):

@@ -25,14 +25,18 @@ Note [What compiled models get]
   graph), and in `torch.compile(DDP(model), fullgraph=True)` the wrapper's forward is skipped, not
   traced, so the wrapped module's graph is the one graph (torch DDP fails there: dynamo cannot
   trace its forward's logger).
+- Under torch.compile(DDP(model)) dynamo captures at one small frame of pyreducer's
+  (frames.captured_call), shared by every wrapper in the process as OptimizedModule's own
+  wrapper frame is by every compiled module: many different models in one process share its
+  recompile limit.
 - A user's own backend (a callable, or a name) compiles each piece as it would the whole graph;
   pieces hold the graph's nodes in order, with their inputs as placeholders.
 - Compiled autograd (torch._dynamo.config.compiled_autograd) traces backward into one graph,
   where the Reducer's C++ hooks cannot run: refused with a message (torch DDP switches to a Python
   reducer there).
-- mixed_precision: the forward runs on low-precision copies of the parameters, which the graph
-  sees instead of the reduced parameters: the graph is not split (results exact, overlap of the
-  compiled part lost).
+- mixed_precision: the forward runs on low-precision copies of the parameters; the graph is
+  split at the first uses of the copies of each bucket's parameters (the casts' backward runs
+  right after their piece's).
 
 Note [Eager until the rebuild]
 Like torch DDP, pyreducer starts with a provisional plan (one bucket without
@@ -59,11 +63,14 @@ class CompiledSplits:
     Args:
         params: the wrapper's ReducedParams.
         reducer: its C++ Reducer (plan_version(), bucket_layout()).
+        mixed: the wrapper's precision.MixedPrecisionForward, or None: during its forward the
+            graph sees its low-precision copies, which `mixed.copies` maps to the parameters.
     """
 
-    def __init__(self, params, reducer):
+    def __init__(self, params, reducer, mixed=None):
         self._reduced = params
         self._reducer = reducer
+        self._precision = mixed
         self._version = None
         self._plan_key = None
         self._bucket_of = {}
@@ -102,21 +109,38 @@ class CompiledSplits:
         key = (self._plan_key, id(compiler))
         backend = self._backends.get(key)
         if backend is None:
-            backend = self._backends[key] = SplitBackend(compiler, dict(self._bucket_of),
-                                                         list(self._reduced.tensors),
-                                                         list(self._reduced.names))
+            backend = self._backends[key] = SplitBackend(
+                compiler, dict(self._bucket_of), list(self._reduced.tensors),
+                list(self._reduced.names),
+                aliases=(lambda: self._precision.copies) if self._precision is not None else dict)
         return backend
 
-    def call(self, outer, run):
-        """run() (the wrapped module's call) under `outer`, the frame callback the wrapper's
-        forward found: torch.compile's with the splitting backend in its place; anything else
-        (None: eager; False: run compiled code only) as it was."""
+    def call(self, outer, module, inputs, kwargs):
+        """The wrapped module's call (through mixed precision's copies, if any) under `outer`,
+        the frame callback the wrapper's forward found: torch.compile's with the splitting
+        backend in its place; anything else (None: eager; False: run compiled code only) as it
+        was. The callback is on for the module's call alone, never for pyreducer's own code."""
         if frames.is_compiling_callback(outer) or self.installed:
             _refuse_compiled_autograd()
         if self.provisional():
-            return run()  # with no frame callback: eager (and a compiled module's SplitForward
-        if not frames.is_compiling_callback(outer):  # runs its module as it is)
-            return CompiledSplits.call_unsplit(outer, run)
+            callback = None  # eager (and a compiled module's SplitForward runs its module as is)
+        elif frames.is_compiling_callback(outer):
+            callback = self._split_callback(outer)
+        else:
+            callback = outer
+
+        def under_callback(fn, *args, **options):
+            frames.swap_callback(callback)
+            try:
+                return frames.captured_call(fn, *args, **options)
+            finally:
+                frames.swap_callback(None)
+        if self._precision is not None:
+            return self._precision(*inputs, _pyreducer_call=under_callback, **kwargs)
+        return under_callback(module, *inputs, **kwargs)
+
+    def _split_callback(self, outer):
+        """torch.compile's callback `outer` with the splitting backend for the plan in force."""
         from pyreducer.compiled import dynamo
 
         backend = self.backend_for(dynamo.user_backend(outer))
@@ -124,18 +148,15 @@ class CompiledSplits:
         entry = self._callbacks.get(key)
         if entry is None or entry[0] is not outer:
             entry = self._callbacks[key] = (outer, dynamo.split_callback(outer, backend))
-        frames.swap_callback(entry[1])
-        try:
-            return run()
-        finally:
-            frames.swap_callback(None)
+        return entry[1]
 
     @staticmethod
-    def call_unsplit(outer, run):
-        """run() under the frame callback `outer` as it is (no buckets to split at)."""
+    def call_unsplit(outer, module, inputs, kwargs):
+        """module(*inputs, **kwargs) under the frame callback `outer` as it is (no buckets to
+        split at: every parameter's all-reduce is delayed)."""
         frames.swap_callback(outer)
         try:
-            return run()
+            return frames.captured_call(module, *inputs, **kwargs)
         finally:
             frames.swap_callback(None)
 

@@ -50,11 +50,14 @@ class SplitBackend:
             which parameters share a bucket makes dynamo capture (and this backend split) again.
         params: the reduced parameters (kept to resolve ids only while they live).
         names: their names (for summaries), in the same order.
+        aliases: () -> {id(tensor): parameter} for tensors the graph sees in place of reduced
+            parameters (mixed_precision's low-precision copies), read while a graph compiles.
     """
     compiler: object
     bucket_of: dict
     params: list = field(default_factory=list, repr=False)
     names: list = field(default_factory=list, repr=False)
+    aliases: object = dict
     splits: list = field(default_factory=list)  # GraphSplit per graph compiled
 
     def __post_init__(self):
@@ -93,6 +96,7 @@ class SplitBackend:
             else:
                 grapharg = node.meta.get("grapharg")
                 value = getattr(grapharg, "example", None) if grapharg is not None else None
+            value = self.aliases().get(id(value), value)
             if isinstance(value, torch.Tensor) and self._alive.get(id(value)) is value:
                 self._graph_names[str(node.target)] = self._name_of.get(id(value), node.target)
                 return id(value)

@@ -17,7 +17,9 @@ import torch
 
 
 def _eval_frame():
-    return torch._C._dynamo.eval_frame
+    """torch's frame-evaluation module, or None where torch has no dynamo (then nothing is ever
+    compiled and these functions do nothing)."""
+    return getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
 
 
 def run_eagerly(fn):
@@ -29,14 +31,23 @@ def run_eagerly(fn):
         "pyreducer's forward is never traced (its Reducer and process group run in C++): "
         "torch.compile(DDP(model)) compiles the wrapped module's call only")
     ef = _eval_frame()
-    ef.set_code_exec_strategy(fn.__code__, ef._FrameExecStrategy(ef._FrameAction.SKIP,
-                                                                 ef._FrameAction.DEFAULT))
+    if ef is not None:
+        ef.set_code_exec_strategy(fn.__code__, ef._FrameExecStrategy(ef._FrameAction.SKIP,
+                                                                     ef._FrameAction.DEFAULT))
     return fn
+
+
+def captured_call(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a frame of pyreducer's own, which dynamo captures (inlining fn)
+    when called with torch.compile's callback on: dynamo starts no capture at torch.nn's own
+    frames (a module's __call__), as OptimizedModule's own wrapper frame shows."""
+    return fn(*args, **kwargs)
 
 
 def swap_callback(callback):
     """Installs dynamo's frame callback (None: no compilation) and returns the one it replaces."""
-    return _eval_frame().set_eval_frame(callback)
+    ef = _eval_frame()
+    return ef.set_eval_frame(callback) if ef is not None else None
 
 
 def is_compiling_callback(callback) -> bool:

@@ -163,3 +163,50 @@ def _gradient_producers(output) -> list[str]:
             else:
                 stack.append(child)
     return found
+
+
+def mixed_worker(rank, world_size):
+    """mixed_precision (bfloat16 forward) compiled both ways (aot_eager) against pyreducer's eager
+    mixed precision (torch's own needs CUDA: no oracle on CPU), after 4 steps; and the pieces."""
+    import torch._dynamo
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    from pyreducer import DistributedDataParallel
+
+    out = {}
+    for how in ("eager", "inner", "outer"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        body = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(64, 64),
+                                                                    torch.nn.Tanh())])
+        kwargs = dict(bucket_cap_mb=0.02, mixed_precision=_MixedPrecision(
+            torch.bfloat16, torch.float32, torch.bfloat16))
+        if how == "inner":
+            body = torch.compile(body, backend="aot_eager")
+        model = DistributedDataParallel(body, **kwargs)
+        if how == "outer":
+            model = torch.compile(model, backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(4):
+            model(torch.randn(8, 64, generator=gen)).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        wrapper = model if isinstance(model, DistributedDataParallel) else model._orig_mod
+        out[how] = dict(params=[p.detach().clone() for p in model.parameters()],
+                        summary=wrapper.compiled_summary())
+    return out
+
+
+def eager_worker(rank, world_size):
+    """An eager model trained through the wrapper: torch._dynamo never loaded (it costs seconds
+    of CPU per process; pyreducer reaches dynamo through torch._C._dynamo only)."""
+    import sys
+
+    from pyreducer import DistributedDataParallel
+
+    loaded_before = "torch._dynamo" in sys.modules
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()))
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+    return dict(before=loaded_before, after="torch._dynamo" in sys.modules)

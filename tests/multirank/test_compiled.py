@@ -9,7 +9,8 @@ fused kernels round differently from eager ops, and pyreducer runs the first ite
 import pytest
 import torch
 
-from pyreducer.testing.compiled import COMPILED, compiled_worker, spread_worker
+from pyreducer.testing.compiled import (COMPILED, compiled_worker, eager_worker, mixed_worker,
+                                         spread_worker)
 from pyreducer.testing.ranks import run_ranks
 
 THREE_RANKS = ("mlp_aot_eager_outer", "bucket_per_param_aot_eager_inner",
@@ -75,3 +76,19 @@ def test_split_graphs_hand_buckets_over_during_backward(spreads, how):
     assert set(control["producers"]) == {"CompiledFunctionBackward#0"}, control["producers"]
     # timing, with a wide margin (measured 0.85-0.9 against 0.05): spread over backward
     assert split["spread"] > max(0.3, 2 * control["spread"]), (split, control)
+
+
+def test_mixed_precision_compiled_is_split_and_equals_eager():
+    results = run_ranks(mixed_worker, 2, (), timeout_s=300)
+    for rank, r in enumerate(results):
+        for how in ("inner", "outer"):
+            # 4 layers, two per 0.02 MB bucket: the graph sees bfloat16 copies, mapped back to
+            # their parameters (mixed.copies), and is cut at both buckets
+            assert [g["pieces"] for g in r[how]["summary"]["graphs"]] == [2], r[how]["summary"]
+            for a, b in zip(r[how]["params"], r["eager"]["params"]):
+                assert torch.equal(a, b), f"rank {rank}, {how}: {(a - b).abs().max():.3g}"
+
+
+def test_an_eager_model_never_loads_dynamo():
+    for rank, r in enumerate(run_ranks(eager_worker, 2, (), timeout_s=120)):
+        assert r == dict(before=False, after=False), f"rank {rank}: {r}"

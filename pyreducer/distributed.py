@@ -182,7 +182,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._tuning = BucketTuning(self._params, self.reducer)
         self._compiled = CompiledSplits(self._params, self.reducer, self._mixed)  # compiled/
         self._compiled.install(self.module)
-        self._autotune = AutoTuner(self._autotune_config, self._tuning) \
+        self._autotune = AutoTuner(self._autotune_config, self._tuning, self._compiled.active) \
             if self._autotune_config else None
 
     def _build_reducer(self, plan, caps_per_bucket: bool, **options):

@@ -91,6 +91,11 @@ class CompiledSplits:
             optimized.forward = dynamo.SplitForward(optimized, self)
             self.installed.append(name or "<the wrapped module>")
 
+    def active(self) -> bool:
+        """Whether this wrapper's model is compiled (a compiled module inside, or a forward
+        under torch.compile seen): a new plan then recompiles it."""
+        return bool(self.installed or self._callbacks)
+
     def provisional(self) -> bool:
         """Whether this forward runs eagerly (Note [Eager until the rebuild])."""
         return torch.is_grad_enabled() and self._reducer.rebuild_pending()

@@ -210,3 +210,25 @@ def eager_worker(rank, world_size):
     for _ in range(3):
         model(torch.randn(2, 4)).sum().backward()
     return dict(before=loaded_before, after="torch._dynamo" in sys.modules)
+
+
+def autotune_worker(rank, world_size, compiled):
+    """Online autotune (2 candidates, 2 steps each) on an MLP, compiled (aot_eager) or not:
+    its log. Compiled, the first step on each new plan recompiles and is not counted."""
+    import torch._dynamo
+
+    from pyreducer import DistributedDataParallel
+    from pyreducer.tuning import AutotuneConfig
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(128, 128),
+                                                                torch.nn.Tanh())])
+    if compiled:
+        body = torch.compile(body, backend="aot_eager")
+    config = AutotuneConfig(warmup_iterations=2, measure_iterations=2, candidates=2,
+                            caps_mb=(0.05, 0.1), confirm_margin=0.0)
+    model = DistributedDataParallel(body, bucket_cap_mb=config)
+    for _ in range(16):
+        model(torch.randn(32, 128)).sum().backward()
+    return model.autotune_log

@@ -115,8 +115,13 @@ def final_choice(measured: list[tuple[str, list[list[int]], float]],
 class AutoTuner:
     """Online autotune of one wrapper's buckets through its BucketTuning (tuning/control.py)."""
 
-    def __init__(self, config: AutotuneConfig, tuning):
+    def __init__(self, config: AutotuneConfig, tuning, recompiles=lambda: False):
+        """recompiles: () -> whether a new plan makes the model recompile (torch.compile:
+        pyreducer/compiled): then the first step after each plan change, which pays the
+        compilation, is not counted."""
         self.config, self.tuning = config, tuning
+        self.recompiles = recompiles
+        self.skip_next = False  # the coming step is the first on a new plan, recompiling
         self.phase = Phase.WARMUP
         self.synced = 0
         self.last_forward = None
@@ -152,8 +157,11 @@ class AutoTuner:
         sync.wait_for_device(self.tuning.params.device)  # on CUDA: time the work, not its enqueue
         now = time.perf_counter()
         if self.last_forward is not None and self.phase in MEASURED_PHASES:
-            self.samples.append(sync.slowest(now - self.last_forward, self.group,
-                                             self.tuning.params.device))
+            if self.skip_next:  # the same on every rank (the same model, compiled alike)
+                self.skip_next = False
+            else:
+                self.samples.append(sync.slowest(now - self.last_forward, self.group,
+                                                 self.tuning.params.device))
         self.synced += 1
         self._advance()
         # The step time is measured from here: time spent in the tuner itself is excluded.
@@ -234,6 +242,7 @@ class AutoTuner:
         self.samples = []
         if self.candidates:
             self.tuning.apply_bucket_plan(self.candidates[0][1])
+            self.skip_next = self.recompiles()
             self.phase = Phase.MEASURE
             return
         if self.phase is Phase.MEASURE:  # all candidates measured once
@@ -241,6 +250,7 @@ class AutoTuner:
             self.finalists = [name for name, _ in self.confirming]
         if self.confirming:
             self.tuning.apply_bucket_plan(self.confirming[0][1])
+            self.skip_next = self.recompiles()
             self.phase = Phase.CONFIRM
             return
         name, plan, seconds = final_choice(self._measured(), self.finalists)

@@ -9,8 +9,8 @@ fused kernels round differently from eager ops, and pyreducer runs the first ite
 import pytest
 import torch
 
-from pyreducer.testing.compiled import (COMPILED, compiled_worker, eager_worker, mixed_worker,
-                                         spread_worker)
+from pyreducer.testing.compiled import (COMPILED, autotune_worker, compiled_worker, eager_worker,
+                                         mixed_worker, spread_worker)
 from pyreducer.testing.ranks import run_ranks
 
 THREE_RANKS = ("mlp_aot_eager_outer", "bucket_per_param_aot_eager_inner",
@@ -92,3 +92,16 @@ def test_mixed_precision_compiled_is_split_and_equals_eager():
 def test_an_eager_model_never_loads_dynamo():
     for rank, r in enumerate(run_ranks(eager_worker, 2, (), timeout_s=120)):
         assert r == dict(before=False, after=False), f"rank {rank}: {r}"
+
+
+def test_autotune_does_not_count_the_recompiling_step():
+    """Each candidate plan recompiles a compiled model at its first step: that step is not one
+    of its measure_iterations (2) samples, so candidates are one iteration further apart."""
+    def spacing(log):
+        at = [e["iteration"] for e in log if e["event"] in ("measured", "confirmed")]
+        assert len(at) >= 2 and all(e["steps"] == 2 for e in log if e["event"] == "measured"), log
+        return {b - a for a, b in zip(at, at[1:])}
+    eager = run_ranks(autotune_worker, 2, (False,), timeout_s=300)[0]
+    compiled = run_ranks(autotune_worker, 2, (True,), timeout_s=300)[0]
+    assert spacing(eager) == {2}, eager
+    assert spacing(compiled) == {3}, compiled

@@ -20,7 +20,8 @@ Note [What compiled models get]
   mode (Note [Compiling the pieces]), so dynamic dimensions stay dynamic and every guard a piece
   adds is checked; a recompile (new shapes, a guard failing) splits the new graph the same way.
   A new plan is a new backend: dynamo compiles once more per plan (its per-code recompile limit,
-  8 by default, bounds how many plans an autotune run may try compiled).
+  8 by default, bounds how many plans an autotune run may try compiled); autotune does not count
+  the step that recompiles (AutoTuner's recompiles, CompiledSplits.active).
 - fullgraph=True works both ways: the split happens inside the backend (dynamo still sees one
   graph), and in `torch.compile(DDP(model), fullgraph=True)` the wrapper's forward is skipped, not
   traced, so the wrapped module's graph is the one graph (torch DDP fails there: dynamo cannot

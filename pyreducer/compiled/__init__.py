@@ -136,14 +136,10 @@ class CompiledSplits:
             callback = outer
 
         def under_callback(fn, *args, **options):
-            frames.swap_callback(callback)
-            try:
-                return frames.captured_call(fn, *args, **options)
-            finally:
-                frames.swap_callback(None)
+            return _run_under(callback, fn, *args, **options)
         if self._precision is not None:
             return self._precision(*inputs, _pyreducer_call=under_callback, **kwargs)
-        return under_callback(module, *inputs, **kwargs)
+        return _run_under(callback, module, *inputs, **kwargs)
 
     def _split_callback(self, outer):
         """torch.compile's callback `outer` with the splitting backend for the plan in force."""
@@ -160,11 +156,7 @@ class CompiledSplits:
     def call_unsplit(outer, module, inputs, kwargs):
         """module(*inputs, **kwargs) under the frame callback `outer` as it is (no buckets to
         split at: every parameter's all-reduce is delayed)."""
-        frames.swap_callback(outer)
-        try:
-            return frames.captured_call(module, *inputs, **kwargs)
-        finally:
-            frames.swap_callback(None)
+        return _run_under(outer, module, *inputs, **kwargs)
 
     def summary(self) -> dict:
         """What the splitting backends did: per captured graph, its pieces (compute nodes, the
@@ -176,6 +168,16 @@ class CompiledSplits:
                                    buckets=split.buckets, params=split.params,
                                    compiler=split.compiler, plan_buckets=len(plan)))
         return dict(compiled_modules=list(self.installed), graphs=graphs)
+
+
+def _run_under(callback, fn, *args, **kwargs):
+    """fn(*args, **kwargs) in pyreducer's capture frame with `callback` on, then off again (the
+    wrapper's forward runs with none: Note [The wrapper's forward under torch.compile])."""
+    frames.swap_callback(callback)
+    try:
+        return frames.captured_call(fn, *args, **kwargs)
+    finally:
+        frames.swap_callback(None)
 
 
 def _refuse_compiled_autograd() -> None:

@@ -70,18 +70,17 @@ class SplitBackend:
         cuts = split_module.plan_cuts(gm, self._param_key(gm), self.bucket_of)
         for cut in cuts:
             cut.params = [self._graph_names.get(p, p) for p in cut.params]
-        name = getattr(self.compiler, "__name__", type(self.compiler).__name__)
+        record = GraphSplit(len(cuts), [c.end - c.start for c in cuts],
+                            [c.buckets for c in cuts], [c.params for c in cuts],
+                            compiler=getattr(self.compiler, "__name__",
+                                             type(self.compiler).__name__))
         if len(cuts) <= 1:
-            self.splits.append(GraphSplit(len(cuts), [c.end - c.start for c in cuts],
-                                          [c.buckets for c in cuts], [c.params for c in cuts],
-                                          compiler=name))
+            self.splits.append(record)
             return self.compiler(gm, example_inputs, **compiler_configs)
         split_gm = split_module.split(gm, cuts)
         _propagate_dynamo_metadata(gm, split_gm)
-        record = GraphSplit(len(cuts), [c.end - c.start for c in cuts],
-                            [c.buckets for c in cuts], [c.params for c in cuts], compiler=name)
-        _PieceCompiler(split_gm, self.compiler, example_inputs, compiler_configs,
-                       record).run(*example_inputs)
+        _PieceCompiler(split_gm, self.compiler, example_inputs,
+                       compiler_configs).run(*example_inputs)
         split_gm.recompile()
         self.splits.append(record)
         log.debug("split a graph of %d nodes into %d pieces at buckets %s",
@@ -123,11 +122,10 @@ class _PieceCompiler(fx.Interpreter):
     """Runs the split graph on fake inputs, compiling each piece with the user's compiler as it
     is reached and replacing it by the compiled one (Note [Compiling the pieces])."""
 
-    def __init__(self, split_gm, compiler, example_inputs, compiler_configs, record):
+    def __init__(self, split_gm, compiler, example_inputs, compiler_configs):
         super().__init__(split_gm)
         self.compiler = compiler
         self.configs = compiler_configs
-        self.record = record
         self.fake_mode = torch._guards.detect_fake_mode(example_inputs) \
             or torch._subclasses.fake_tensor.FakeTensorMode()
         self.outer = torch._guards.TracingContext.try_get()

@@ -45,7 +45,10 @@ def captured_call(fn, *args, **kwargs):
 
 
 def swap_callback(callback):
-    """Installs dynamo's frame callback (None: no compilation) and returns the one it replaces."""
+    """Installs dynamo's frame callback (None: no compilation) and returns the one it replaces.
+    Its own frame, entered with the user's callback on, is compiled by it (an empty graph): that
+    is what satisfies dynamo's check that torch.compile(DDP(model), fullgraph=True) compiled a
+    frame (skipping this frame made that check fail). Fragile: see the issue 29 note."""
     ef = _eval_frame()
     return ef.set_eval_frame(callback) if ef is not None else None
 

@@ -59,11 +59,14 @@ def test_pieces_open_where_each_bucket_is_first_used(what, model, bucket_of, exp
     nodes = split.compute_nodes(gm)
     assert cuts[0].start == 0 and cuts[-1].end == len(nodes)  # every node in one piece
     assert all(a.end == b.start for a, b in zip(cuts, cuts[1:]))
-    for cut in cuts[1:]:  # a later piece starts exactly at its bucket's earliest first use
-        first = min(_first_use_index(gm, f"w.{k}") for k, b in
+    reads = [any(param_of(a) in bucket_of for a in [n, *n.all_input_nodes]) for n in nodes]
+    for cut in cuts[1:]:  # a later piece opens just after the last parameter read before its
+        first = min(_first_use_index(gm, f"w.{k}") for k, b in  # bucket's first use
                     ((int(n.split(".")[1]), b) for n, b in bucket_of.items())
                     if b in cut.buckets)
-        assert nodes[cut.start].op == "get_attr" and cut.start == first, (what, cut)
+        assert cut.start <= first < cut.end and reads[cut.start - 1], (what, cut)
+        assert not any(reads[cut.start:first]), (what, cut)  # nothing but parameter-free nodes
+        assert nodes[cut.start].target is torch.tanh, (what, cut)  # the activation moved
 
 
 def test_the_split_module_computes_what_the_graph_did():

@@ -179,8 +179,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.module, self._params, self.device_ids, self.output_device,
             self.forward_sync_buffers, self.find_unused_parameters, self.gradient_as_bucket_view,
             self.static_graph, self.bucket_bytes_cap)
-        self._tuning = BucketTuning(self._params, self.reducer)
         self._compiled = CompiledSplits(self._params, self.reducer, self._mixed)  # compiled/
+        self._tuning = BucketTuning(self._params, self.reducer, self._compiled.active)
         self._compiled.install(self.module)
         self._autotune = AutoTuner(self._autotune_config, self._tuning, self._compiled.active) \
             if self._autotune_config else None

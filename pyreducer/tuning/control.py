@@ -13,8 +13,12 @@ from pyreducer.tuning.linkmodel import LinkModel, probe_contention, probe_link
 class BucketTuning:
     """Bucket tuning of one Reducer over its ReducedParams (pyreducer.params)."""
 
-    def __init__(self, params, reducer):
+    def __init__(self, params, reducer, compiled=lambda: False):
+        """compiled: () -> whether the model runs under torch.compile, split at the buckets
+        (CompiledSplits.active): profiles then spread each bucket's landings
+        (stepmodel.spread_compiled_landings)."""
         self.params, self.reducer = params, reducer
+        self.compiled = compiled
 
     def current_plan(self) -> list[list[int]]:
         """Parameter indices per bucket of the plan in force, launch order."""
@@ -32,8 +36,19 @@ class BucketTuning:
                           "complete in time), so this profile holds host enqueue times, which "
                           "understate communication on a GPU; plans made from it may be poor",
                           RuntimeWarning, stacklevel=2)
-        return stepmodel.Profile.from_timeline(records, self.params.sizes_bytes, forward_ms,
-                                               optimizer_ms, self.params.group_keys)
+        compiled = self.compiled()
+        if compiled:  # only the landings of the plan in force can be spread along it
+            version = self.reducer.plan_version()
+            records = [r for r in records if r.get("plan_version") == version]
+            if not records:
+                raise RuntimeError(f"profile(): under torch.compile a profile needs an iteration "
+                                   f"of the bucket plan in force (plan version {version}); the "
+                                   f"last {last} recorded ran earlier plans")
+        profile = stepmodel.Profile.from_timeline(records, self.params.sizes_bytes, forward_ms,
+                                                  optimizer_ms, self.params.group_keys)
+        if compiled:
+            profile = stepmodel.spread_compiled_landings(profile, self.current_plan())
+        return profile
 
     def probe(self) -> LinkModel:
         """The link model of the process group (collective): latency and bandwidth, and, for

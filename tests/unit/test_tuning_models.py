@@ -12,7 +12,7 @@ from pyreducer.testing import subprocess_env
 from pyreducer.tuning import (LinkModel, Profile, best_plan, brute_force_plan, fit_link_model,
                               predict_step_ms)
 from pyreducer.tuning.autotune import AutotuneConfig, close_call, enough_samples, final_choice
-from pyreducer.tuning.stepmodel import bucket_done_ms, cap_plan
+from pyreducer.tuning.stepmodel import bucket_done_ms, cap_plan, spread_compiled_landings
 
 
 def test_link_model_hand_computed():
@@ -169,3 +169,25 @@ def test_autotune_chooses_between_the_confirmed_plans_after_a_close_call():
 def test_autotune_config_rejects_nonsense_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         AutotuneConfig(**{field: value})
+
+
+def test_compiled_landings_are_spread_over_their_piece_by_bytes():
+    # Under torch.compile split at [[0, 1], [2, 3]], each bucket's gradients land together at its
+    # piece's end (10 ms, 30 ms; the second of each 0.1 / 0.2 ms later: hooks and copies). Spread:
+    # piece 1 runs 0-10 ms, parameter 0 holds 1 of its 4 MB -> 2.5 ms; parameter 1 keeps 10.1.
+    # Piece 2 runs from the last landing of bucket 1 (10.1) to 30: parameter 2, half the bytes,
+    # at 10.1 + 19.9 / 2 = 20.05; parameter 3 keeps 30.2.
+    profile = Profile(ready_ms=[10.0, 10.1, 30.0, 30.2], size_bytes=[10**6, 3 * 10**6, 2 * 10**6,
+                                                                     2 * 10**6],
+                      backward_ms=30.5)
+    plan = [[0, 1], [2, 3]]
+    spread = spread_compiled_landings(profile, plan)
+    assert spread.ready_ms == pytest.approx([2.5, 10.1, 20.05, 30.2])
+    assert profile.ready_ms == [10.0, 10.1, 30.0, 30.2]  # the recorded profile is left as it was
+    # the recorded plan is predicted as recorded; one bucket per gradient only after the spread
+    link = LinkModel(1e-3, 1e9)
+    assert predict_step_ms(spread, plan, link, 2) == pytest.approx(
+        predict_step_ms(profile, plan, link, 2))
+    fine = [[0], [1], [2], [3]]
+    assert predict_step_ms(profile, fine, link, 2) >= predict_step_ms(profile, plan, link, 2)
+    assert predict_step_ms(spread, fine, link, 2) < predict_step_ms(spread, plan, link, 2)

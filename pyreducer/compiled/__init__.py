@@ -21,7 +21,9 @@ Note [What compiled models get]
   adds is checked; a recompile (new shapes, a guard failing) splits the new graph the same way.
   A new plan is a new backend: dynamo compiles once more per plan (its per-code recompile limit,
   8 by default, bounds how many plans an autotune run may try compiled); autotune does not count
-  the step that recompiles (AutoTuner's recompiles, CompiledSplits.active).
+  the step that recompiles (AutoTuner's recompiles, CompiledSplits.active), and plans from a
+  profile whose bucket landings are spread over their pieces (a piece hands over its gradients
+  together: stepmodel.spread_compiled_landings).
 - fullgraph=True works both ways: the split happens inside the backend (dynamo still sees one
   graph), and in `torch.compile(DDP(model), fullgraph=True)` the wrapper's forward is skipped, not
   traced, so the wrapped module's graph is the one graph (torch DDP fails there: dynamo cannot

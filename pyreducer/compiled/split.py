@@ -26,6 +26,7 @@ captures the graph (pyreducer/compiled/dynamo.py recaptures when the plan change
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -96,7 +97,7 @@ def plan_cuts(gm: fx.GraphModule, param_of, bucket_of: dict) -> list[Cut]:
         return []
     starts = [0] + starts[1:] if starts else [0]
     reads = [any(key in bucket_of for key, _ in _parameter_keys(node, param_of)) for node in nodes]
-    starts = _merge_dead_pieces(nodes, _after_last_reads(reads, starts))
+    starts = _merge_dead_pieces(nodes, _after_last_reads(nodes, reads, starts))
     cuts = []
     for i, start in enumerate(starts):
         end = starts[i + 1] if i + 1 < len(starts) else len(nodes)
@@ -109,14 +110,26 @@ def plan_cuts(gm: fx.GraphModule, param_of, bucket_of: dict) -> list[Cut]:
     return cuts
 
 
-def _after_last_reads(reads: list[bool], starts: list[int]) -> list[int]:
+def _after_last_reads(nodes: list[fx.Node], reads: list[bool], starts: list[int]) -> list[int]:
     """Each cut but the first moved back from its bucket's first use to just after the last node
     before it that reads a reduced parameter (reads[i]): the parameter-free nodes between
-    (activations, dropout, reshapes) go to the piece that consumes them."""
+    (activations, dropout, reshapes) go to the piece that consumes them. Never between a node that
+    returns a tuple and the getitems that take it apart (MultiheadAttention's (output, None)):
+    the tuple would be a piece's output, which AOTAutograd refuses; then a later position, at
+    worst the first use."""
+    position = {node: i for i, node in enumerate(nodes)}
+
+    def splits_a_tuple(cut: int, before: int) -> bool:
+        return any(user.target is operator.getitem and position.get(user, -1) >= cut
+                   for node in nodes[before:cut] for user in node.users)
+
     moved = starts[:1]
     for before, start in zip(starts, starts[1:]):
         last = next((i for i in range(start - 1, before - 1, -1) if reads[i]), None)
-        moved.append(start if last is None else last + 1)
+        cut = start if last is None else last + 1
+        while cut < start and splits_a_tuple(cut, before):
+            cut += 1
+        moved.append(cut)
     return moved
 
 

@@ -41,6 +41,10 @@ COMPILED = {
                                           fullgraph=True),
     "static_graph_aot_eager_inner": dict(base="cnn_batchnorm_adam", order="inner",
                                          backend="aot_eager", ddp=dict(static_graph=True)),
+    # a bucket per parameter of a transformer: cuts beside MultiheadAttention's (output, None)
+    "transformer_per_param_aot_eager_inner": dict(base="bucket_per_param", model="transformer",
+                                                  order="inner", backend="aot_eager",
+                                                  torch_unsplit=True),
     "mlp_inductor_inner": dict(base="mlp_adam", order="inner", backend="inductor"),
     "cnn_batchnorm_inductor_outer": dict(base="cnn_batchnorm_sgd", order="outer",
                                          backend="inductor"),
@@ -72,21 +76,34 @@ def compiled_worker(rank, world_size, names):
         spec = COMPILED[name]
         scenario = dict(parity.SCENARIOS[spec["base"]])
         scenario["ddp"] = {**scenario.get("ddp", {}), **spec.get("ddp", {})}
+        scenario["model"] = spec.get("model", scenario["model"])
         torch.manual_seed(17 + rank)
         base = parity._model_fns(scenario["model"])[0]()
         torch._dynamo.reset()
         with torch._dynamo.config.patch(optimize_ddp=not spec.get("torch_unsplit", False)):
             wrap = compiled_wrapper(spec["order"], spec["backend"])
-            torch_state, _ = parity.train(wrap(TorchDDP), base, scenario, rank)
+            torch_state, theirs = parity.train(wrap(TorchDDP), base, scenario, rank)
         torch._dynamo.reset()
         counters.clear()
         wrap = compiled_wrapper(spec["order"], spec["backend"], spec.get("fullgraph", False))
         ours_state, ours = parity.train(wrap(DistributedDataParallel), base, scenario, rank)
         wrapper = ours if isinstance(ours, DistributedDataParallel) else ours._orig_mod
+        theirs = theirs if isinstance(theirs, TorchDDP) else theirs._orig_mod
         out[name] = dict(torch=_plain_keys(torch_state), ours=_plain_keys(ours_state),
                          graphs=counters["stats"]["unique_graphs"],
-                         summary=wrapper.compiled_summary())
+                         summary=wrapper.compiled_summary(),
+                         layouts=(_torch_layout(theirs),
+                                  [b["param_indices"] for b in wrapper.reducer.bucket_layout()]))
     return out
+
+
+def _torch_layout(ddp):
+    """torch DDP's rebuilt buckets (parameter indices, launch order) from its logging data, or
+    None where it did not rebuild."""
+    indices = ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
+    if not indices:
+        return None
+    return [[int(i) for i in bucket.split()] for bucket in indices.split(",")]
 
 
 def _plain_keys(state):

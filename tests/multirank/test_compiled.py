@@ -5,6 +5,8 @@ Parity: after parity.STEPS steps every parameter, gradient and buffer equals tor
 bit with aot_eager (the same aten ops whatever the cut) and within rtol 1e-5 with inductor: its
 fused kernels round differently from eager ops, and pyreducer runs the first iteration eagerly
 (Note [Eager until the rebuild]) where torch DDP runs it compiled (measured: 1.2e-7 at most).
+At 3 ranks aot_eager is bit for bit where both built the same buckets, and within rtol 1e-5
+where they did not (the sums' order follows the layout; see test_compiled_matches_torch_ddp).
 """
 import pytest
 import torch
@@ -13,8 +15,10 @@ from pyreducer.testing.compiled import (COMPILED, autotune_worker, compiled_work
                                          mixed_worker, spread_worker)
 from pyreducer.testing.ranks import run_ranks
 
+# every parity model (MLP, CNN+BN, tied embedding, unused branch) and both backends at 3 ranks
 THREE_RANKS = ("mlp_aot_eager_outer", "bucket_per_param_aot_eager_inner",
-               "cnn_small_caps_inductor_inner")
+               "cnn_small_caps_inductor_inner", "cnn_batchnorm_inductor_outer",
+               "tied_aot_eager_inner", "find_unused_aot_eager_inner")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"{ws}ranks")
@@ -29,6 +33,14 @@ def test_compiled_matches_torch_ddp(compiled, name):
     if name not in results[0]:
         pytest.skip(f"run at 2 ranks only (3 ranks: {', '.join(THREE_RANKS)})")
     exact = COMPILED[name]["backend"] == "aot_eager"
+    theirs_layout, ours_layout = results[0][name]["layouts"]
+    if world_size > 2 and theirs_layout != ours_layout:
+        # torch DDP rebuilds its buckets along the order a compiled backward hands gradients
+        # over, pyreducer along eager backward's (Note [Eager until the rebuild]): at 3 ranks
+        # Gloo's ring sums each element in an order set by its offset in the bucket, so the
+        # same gradients at other offsets round differently (tied: 1.2e-7). At 2 ranks a + b
+        # is exact in either order.
+        exact = False
     for rank, result in enumerate(results):
         theirs, ours = result[name]["torch"], result[name]["ours"]
         assert ours.keys() == theirs.keys()

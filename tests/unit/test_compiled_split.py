@@ -1,5 +1,7 @@
 """Where a compiled graph is cut (pyreducer/compiled/split.py, Note [Splitting a compiled graph at
 buckets]): pure FX, checked on traced functional models whose parameters are graph attributes."""
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,5 +104,34 @@ def test_a_piece_nothing_reads_is_merged():
         return next((n for n, p in params.items() if p is value), None)
     cuts = split.plan_cuts(gm, param_of, {"a": 2, "b": 1, "c": 0})
     assert [c.buckets for c in cuts] == [[2], [0, 1]], cuts
+    x = torch.randn(3, 4)
+    assert torch.equal(split.split(gm, cuts)(x), module(x))
+
+
+def test_a_cut_never_separates_a_tuple_from_its_getitems():
+    """The cut after the last parameter read must not fall between a node that returns a tuple
+    (here slogdet of a parameter; in a transformer, MultiheadAttention's (output, None)) and the
+    getitems that take it apart: the tuple would be a piece's output, which AOTAutograd refuses.
+    It moves on, here to the next bucket's first use."""
+    class TupleOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.eye(4) * 2)
+            self.b = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            out = torch.linalg.slogdet(self.a)
+            sign, logdet = out[0], out[1]
+            return torch.tanh(F.linear(x, self.b) * logdet * sign)
+
+    module = TupleOut()
+    gm, param_of = _traced(module)
+    cuts = split.plan_cuts(gm, param_of, {"a": 1, "b": 0})
+    nodes = split.compute_nodes(gm)
+    assert [c.buckets for c in cuts] == [[1], [0]], cuts
+    tuple_node = next(i for i, n in enumerate(nodes) if n.target is torch.linalg.slogdet)
+    getitems = [i for i, n in enumerate(nodes) if n.target is operator.getitem]
+    assert len(getitems) == 2 and all(i < cuts[1].start for i in getitems), (cuts, nodes)
+    assert cuts[1].start == _first_use_index(gm, "b") > tuple_node
     x = torch.randn(3, 4)
     assert torch.equal(split.split(gm, cuts)(x), module(x))

@@ -279,13 +279,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _post_forward(self, output):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self.require_forward_param_sync = True
-            training_ranks, self._training_ranks = self._training_ranks, None
-            if training_ranks is not None:  # join(divide_by_initial_world_size=False)
-                training_ranks.wait()
-                self.reducer.divide_next_backward_by(int(training_ranks.result()[0].item()))
-            sunk = self.reducer.prepare_for_backward(nested.tensors(output))
-            output = nested.replace_tensors(output, sunk)
+            output = self.prepare_for_backward(output)
         else:
             self.require_forward_param_sync = False
             self.reducer.note_unsynced_forward()
@@ -293,12 +287,21 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._delayed.reset_grads()
         return output
 
+    def prepare_for_backward(self, output):
+        """Arms the reducer for a backward through the returned `output` (its tensors through
+        the reducer's sink); pyreducer.lightning: for a loss whose backward runs in forward."""
+        self.require_forward_param_sync = True
+        training_ranks, self._training_ranks = self._training_ranks, None
+        if training_ranks is not None:  # join(divide_by_initial_world_size=False)
+            training_ranks.wait()
+            self.reducer.divide_next_backward_by(int(training_ranks.result()[0].item()))
+        sunk = self.reducer.prepare_for_backward(nested.tensors(output))
+        return nested.replace_tensors(output, sunk)
+
     @contextmanager
     def no_sync(self):
-        """Within this context, backward accumulates gradients locally without communication.
-
-        The first forward-backward after the context reduces the accumulated sum.
-        """
+        """Within this context, backward accumulates gradients locally without communication;
+        the first forward-backward after it reduces the accumulated sum."""
         old = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -355,8 +358,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         `bucket` offers buffer(), index(), is_last(), parameters(), gradients(), set_buffer();
         the future's value is the reduced (averaged) bucket. Register before the first forward,
         once. torch's hooks (torch.distributed.algorithms.ddp_comm_hooks) work unchanged. The
-        hook runs with the GIL for its own call; the rest of the path stays in C++.
-        """
+        hook runs with the GIL for its own call; the rest of the path stays in C++."""
         try:
             arguments.check_comm_hook(hook)
             if self._reducer_settings["check_finite"]:  # Note [Finite check]
@@ -370,11 +372,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._logger.set_comm_hook(getattr(hook, "__qualname__", repr(hook)))
 
     def register_builtin_hook(self, name: str) -> None:
-        """A C++ communication hook, no Python per bucket: "fp16" or "bf16" compression.
-
-        The bucket is divided by the world size in its own precision, cast to float16/bfloat16,
-        all-reduced, and cast back (torch's Python fp16 hook casts first, then divides).
-        """
+        """A C++ communication hook, no Python per bucket: "fp16" or "bf16" compression. The
+        bucket is divided by the world size in its own precision, cast to float16/bfloat16,
+        all-reduced, and cast back (torch's Python fp16 hook casts first, then divides)."""
         sparse = [n for n, s in zip(self._params.names, self._params.sparse) if s]
         if sparse:
             raise ValueError(f"register_builtin_hook({name!r}) compresses dense buckets; "

@@ -23,7 +23,10 @@ struct ReducerRef : torch::CustomClassHolder {
 
 // Identity on the forward's outputs; its backward is the first node of the outer backward.
 // See Note [Reducer iteration]. It holds its Reducer weakly: a graph (and this node) can
-// outlive the wrapper that built it, and then does nothing.
+// outlive the wrapper that built it, and then does nothing. Its outputs are detached aliases of
+// its inputs (same storage, same version counter), not the inputs themselves: autograd would make
+// those views of a multi-output function, which refuse in-place updates (`loss *= scale`, as the
+// HF Trainer does), where torch DDP's outputs accept them.
 struct Sink : public torch::autograd::Function<Sink> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 at::TensorList outputs,
@@ -31,7 +34,10 @@ struct Sink : public torch::autograd::Function<Sink> {
     ctx->set_materialize_grads(false);  // unused outputs keep undefined gradients
     ctx->saved_data["reducer"] =
         c10::IValue::make_capsule(c10::make_intrusive<ReducerRef>(std::move(reducer)));
-    return outputs.vec();
+    torch::autograd::variable_list aliases;
+    aliases.reserve(outputs.size());
+    for (const at::Tensor& output : outputs) aliases.push_back(output.detach());
+    return aliases;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {

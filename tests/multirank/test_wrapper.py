@@ -188,6 +188,37 @@ def _short_lived_checks(results, rank):
     results["short_lived"] = i + 1
 
 
+class _LossInside(nn.Module):
+    """Returns its loss, as Hugging Face models do, which the caller then scales in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x, y):
+        return {"loss": nn.functional.mse_loss(self.net(x), y)}
+
+
+def _inplace_output_checks(results, rank):
+    """The forward's outputs accept in-place updates (the HF Trainer's `loss *= scale`), as torch
+    DDP's do, with the same gradients (they failed: views of a multi-output autograd function)."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    grads = {}
+    for name, wrap in [("ours", DistributedDataParallel), ("torch", TorchDDP)]:
+        torch.manual_seed(0)
+        model = wrap(_LossInside())
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            loss = model(torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen))["loss"]
+            loss *= 3.0
+            loss.backward()
+        grads[name] = [p.grad.clone() for p in model.parameters()]
+    results["inplace_equal"] = all(torch.equal(a, b) for a, b in zip(grads["ours"], grads["torch"]))
+
+
 def wrapper_worker(rank, world_size, tmp_dir):
     results = {}
     _state_dict_checks(results)
@@ -198,6 +229,7 @@ def wrapper_worker(rank, world_size, tmp_dir):
     _sequence_checks(results, rank)
     _outlived_checks(results, rank)
     _short_lived_checks(results, rank)
+    _inplace_output_checks(results, rank)
     return results
 
 
@@ -273,3 +305,7 @@ def test_graph_outliving_its_wrapper_is_safe(wrapper):
 
 def test_short_lived_wrappers_with_hooks_are_safe(wrapper):
     assert all(r["short_lived"] == 60 for r in wrapper)
+
+
+def test_outputs_accept_in_place_updates_like_torch_ddp(wrapper):
+    assert all(r["inplace_equal"] for r in wrapper)

@@ -14,6 +14,7 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_module
+import subprocess
 import sys
 import tempfile
 import time
@@ -174,6 +175,28 @@ def subprocess_env(**extra) -> dict:
 
     path = os.pathsep.join([os.path.dirname(os.path.dirname(pyreducer.__file__))] + sys.path)
     return dict(os.environ, PYTHONPATH=path, **extra)
+
+
+# torch's Gloo can abort a rank at interpreter exit after its work is done (torch DDP as
+# pyreducer; README "Coming from ..."): the one non-zero exit that is not the run's failure.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def torchrun_module(module: str, args: list, cwd, timeout_s: float = 300.0, out=None,
+                    **env) -> subprocess.CompletedProcess:
+    """Runs `python -m module args` under torchrun (2 processes on this machine, Gloo; `env`
+    added to the environment); raises AssertionError with the output's tail if it failed, unless
+    `out` (the file the run writes last) exists and the only failure is GLOO_EXIT_ABORT."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", module, *map(str, args)],
+        cwd=cwd, env=subprocess_env(OMP_NUM_THREADS="1", **env), capture_output=True, text=True,
+        timeout=timeout_s)
+    exited_after_work = out is not None and os.path.exists(out) and GLOO_EXIT_ABORT in proc.stderr
+    assert proc.returncode == 0 or exited_after_work, \
+        f"{module} {' '.join(map(str, args))}: exit {proc.returncode}\n" \
+        f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
+    return proc
 
 
 def _last_line(text: str) -> str:

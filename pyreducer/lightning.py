@@ -17,6 +17,11 @@ Here backward() arms pyreducer with the loss (DistributedDataParallel.prepare_fo
 backpropagates the returned loss; the forward redirection then turns sync off for the rest of that
 forward, as Lightning's does for torch DDP, so the wrapper does not arm a second time.
 
+The overlapped optimizer (model.overlap_optimizer) is refused by name when configure_optimizers
+returns one: Lightning steps every optimizer with a closure (its forward and backward run inside
+step(), manual optimisation included), and an overlapped step splits the update into buckets run
+during the next forward, which step(closure) cannot serve.
+
 Comm hooks are registered on every device (Lightning registers them only on CUDA, where it also
 asserts a torch DDP); post-localSGD model averaging (a torch-DDP comm state) is refused by name.
 Lightning is imported here only: `import pyreducer` does not load it.
@@ -32,6 +37,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
 from pyreducer.distributed import DistributedDataParallel
+from pyreducer.overlap import OverlapOptimizer
 
 STRATEGY_NAME = "pyreducer_ddp"
 
@@ -68,6 +74,18 @@ class DDPStrategy(_LightningDDPStrategy):
         stream = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
         with stream:  # as Lightning's: the wrapper's broadcasts on a side stream on CUDA
             return DistributedDataParallel(module=model, device_ids=device_ids, **self._ddp_kwargs)
+
+    def setup_optimizers(self, trainer) -> None:
+        super().setup_optimizers(trainer)
+        for index, optimizer in enumerate(self.optimizers):
+            if isinstance(optimizer, OverlapOptimizer):
+                raise ValueError(
+                    f"pyreducer.lightning.DDPStrategy: optimizer {index} from configure_optimizers "
+                    f"is an overlapped optimizer (model.overlap_optimizer), which Lightning's "
+                    f"loop cannot drive: Lightning calls step(closure) with the forward and "
+                    f"backward inside it, and an overlapped step runs during the next forward. "
+                    f"Expected a plain torch optimizer, got {type(optimizer).__name__}; for the "
+                    f"overlap, train with pyreducer.DistributedDataParallel in your own loop")
 
     def _register_ddp_hooks(self) -> None:
         if self._ddp_comm_hook is not None:

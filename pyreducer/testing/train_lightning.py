@@ -2,7 +2,8 @@
 pyreducer's (tests/multirank/test_lightning.py runs it both ways and compares).
 
     python -m pyreducer.testing.train_lightning --strategy pyreducer --out run.pt \
-        [--manual] [--accumulate 2] [--steps 12] [--save ckpt] [--resume ckpt]
+        [--manual] [--accumulate 2] [--steps 12] [--save ckpt] [--resume ckpt] \
+        [--ddp-options JSON] [--overlap]
 
 Lightning launches the second process itself (its "popen" launcher re-runs this command). Rank 0
 writes {"losses": [...], "params": {name: tensor}} to --out.
@@ -10,12 +11,13 @@ writes {"losses": [...], "params": {name: tensor}} to --out.
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 from torch import nn
 
 
-def _module_class(manual: bool):
+def _module_class(manual: bool, overlap: bool):
     import lightning.pytorch as pl
 
     class Regression(pl.LightningModule):
@@ -41,7 +43,10 @@ def _module_class(manual: bool):
             return None
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            if overlap:  # refused by pyreducer's strategy (pyreducer/lightning.py)
+                return self.trainer.strategy.model.overlap_optimizer(opt)
+            return opt
 
     return Regression
 
@@ -63,22 +68,26 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps")
     parser.add_argument("--save", help="save a checkpoint here at the end")
     parser.add_argument("--resume", help="resume from this checkpoint")
+    parser.add_argument("--ddp-options", default="{}", help="JSON: more DDPStrategy arguments")
+    parser.add_argument("--overlap", action="store_true",
+                        help="configure_optimizers returns an overlapped optimizer")
     args = parser.parse_args(argv)
 
     import lightning.pytorch as pl
 
+    options = json.loads(args.ddp_options)
     if args.strategy == "torch":
-        strategy = pl.strategies.DDPStrategy(process_group_backend="gloo")
+        strategy = pl.strategies.DDPStrategy(process_group_backend="gloo", **options)
     elif args.strategy == "pyreducer":
         import pyreducer.lightning
 
-        strategy = pyreducer.lightning.DDPStrategy(process_group_backend="gloo")
+        strategy = pyreducer.lightning.DDPStrategy(process_group_backend="gloo", **options)
     else:
         import pyreducer.lightning  # noqa: F401: registers the name
 
         strategy = "pyreducer_ddp"
     pl.seed_everything(0, workers=True)
-    model = _module_class(args.manual)()
+    model = _module_class(args.manual, args.overlap)()
     loader = torch.utils.data.DataLoader(_data(), batch_size=16, shuffle=False)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps,
                          accumulate_grad_batches=1 if args.manual else args.accumulate,

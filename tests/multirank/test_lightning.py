@@ -8,9 +8,12 @@ import sys
 import pytest
 import torch
 
+from pyreducer.testing.frameworks import assert_same_run
 from pyreducer.testing.ranks import subprocess_env
 
 pytest.importorskip("lightning.pytorch", reason="lightning is not installed (pip install .[lightning])")
+
+WRAPPER = "pyreducer.distributed"
 
 
 def _train(tmp_path, name, *args):
@@ -22,30 +25,34 @@ def _train(tmp_path, name, *args):
     return torch.load(out)
 
 
-def _assert_same(theirs, ours, what):
-    assert theirs["wrapper"] == "torch.nn.parallel.distributed", theirs["wrapper"]
-    assert ours["wrapper"] == "pyreducer.distributed", f"{what}: trained without pyreducer"
-    assert ours["losses"] == theirs["losses"], f"{what}: loss curves differ"
-    for key, value in theirs["params"].items():
-        assert torch.equal(ours["params"][key], value), \
-            f"{what}: {key} differs by {(ours['params'][key] - value).abs().max():.3g}"
-
-
-@pytest.mark.parametrize("how", [["--accumulate", "2"], ["--manual"]],
-                         ids=["accumulate_grad_batches", "manual_optimisation"])
+@pytest.mark.parametrize("how", [
+    ["--accumulate", "2"], ["--manual"],
+    ["--accumulate", "2", "--ddp-options",
+     '{"find_unused_parameters": true, "gradient_as_bucket_view": true}']],
+    ids=["accumulate_grad_batches", "manual_optimisation", "find_unused_bucket_view"])
 def test_trains_like_lightnings_ddp(tmp_path, how):
     """Automatic optimisation with gradient accumulation (Lightning's no_sync), and manual
     optimisation (Note [Lightning's manual optimisation]): the same losses and parameters."""
     theirs = _train(tmp_path, "torch", "--strategy", "torch", *how)
     ours = _train(tmp_path, "pyreducer", "--strategy", "pyreducer", *how)
     assert len(ours["losses"]) == (24 if "--accumulate" in how else 12)
-    _assert_same(theirs, ours, " ".join(how))
+    assert_same_run(theirs, ours, " ".join(how), WRAPPER)
+
+
+def test_an_overlapped_optimizer_is_refused_by_name(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pyreducer.testing.train_lightning", "--out",
+                           str(tmp_path / "x.pt"), "--strategy", "pyreducer", "--overlap"],
+                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and not (tmp_path / "x.pt").exists()
+    assert "optimizer 0 from configure_optimizers is an overlapped optimizer" in proc.stderr, \
+        proc.stderr[-3000:]
 
 
 def test_the_strategy_name_works_once_imported(tmp_path):
     theirs = _train(tmp_path, "torch", "--strategy", "torch")
     ours = _train(tmp_path, "pyreducer", "--strategy", "pyreducer_name")
-    _assert_same(theirs, ours, 'strategy="pyreducer_ddp"')
+    assert_same_run(theirs, ours, 'strategy="pyreducer_ddp"', WRAPPER)
 
 
 def test_a_checkpoint_resumes_as_with_lightnings_ddp(tmp_path):
@@ -60,5 +67,5 @@ def test_a_checkpoint_resumes_as_with_lightnings_ddp(tmp_path):
                          "--resume", str(tmp_path / f"{strategy}.ckpt"))
         assert len(first["losses"]) == 16 and len(resumed["losses"]) == 8
         runs[strategy] = first, resumed
-    _assert_same(runs["torch"][0], runs["pyreducer"][0], "before the checkpoint")
-    _assert_same(runs["torch"][1], runs["pyreducer"][1], "resumed")
+    assert_same_run(runs["torch"][0], runs["pyreducer"][0], "before the checkpoint", WRAPPER)
+    assert_same_run(runs["torch"][1], runs["pyreducer"][1], "resumed", WRAPPER)

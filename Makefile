@@ -4,7 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
+# The frameworks pyreducer plugs into (README "Coming from Lightning, Accelerate or the Hugging
+# Face Trainer"), at the versions of pyproject.toml's test extra; their tests take about 5 minutes.
+FRAMEWORKS := lightning==2.6.6 accelerate==1.15.0 transformers==5.24.0
+DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-frameworks
 CMAKE_BUILD := build/cmake
 PYTEST_ARGS ?=
 export MAX_JOBS ?= 2
@@ -18,6 +21,7 @@ $(DEPS_STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(VPY) -m pip install --quiet --disable-pip-version-check numpy pytest ninja matplotlib expecttest
+	$(VPY) -m pip install --quiet --disable-pip-version-check $(FRAMEWORKS) torch==$(TORCH_VERSION)
 	@command -v cmake >/dev/null || $(VPY) -m pip install --quiet --disable-pip-version-check cmake
 	touch $@
 

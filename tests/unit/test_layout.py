@@ -35,7 +35,7 @@ def _csrc_files():
 def test_import_loads_the_library_only(tmp_path):
     code = ("import sys, json, pyreducer; "
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('pyreducer', "
-            "'matplotlib', 'torch._dynamo')))))")
+            "'matplotlib', 'torch._dynamo', 'lightning', 'accelerate', 'transformers')))))")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(PACKAGE))
     env.pop("PYREDUCER_TRACE", None)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -48,6 +48,20 @@ def test_import_loads_the_library_only(tmp_path):
     # torch.compile's machinery costs ~2 s of CPU per process: loaded when an overlapped
     # optimizer is made (pyreducer/overlap.py, _keep_eager), not by the import
     assert not [m for m in loaded if m.startswith("torch._dynamo")], loaded
+    # the framework adapters (pyreducer.lightning, .accelerate, .transformers) load their
+    # framework when imported themselves, never with pyreducer
+    assert not [m for m in loaded if m.startswith(("lightning", "accelerate", "transformers"))], \
+        loaded
+
+
+def test_the_frameworks_tested_are_the_test_extras_pins():
+    """make test installs the Makefile's FRAMEWORKS: the versions pyproject's test extra pins."""
+    makefile = open(os.path.join(REPO, "Makefile")).read()
+    installed = re.search(r"^FRAMEWORKS := (.*)$", makefile, re.M).group(1).split()
+    extra = re.search(r"^test = \[(.*)\]$", open(os.path.join(REPO, "pyproject.toml")).read(),
+                      re.M).group(1)
+    pinned = [p.strip().strip('"') for p in extra.split(",") if "==" in p]
+    assert len(installed) == 3 and sorted(installed) == sorted(pinned), (installed, pinned)
 
 
 def _wrapper_private_names() -> set[str]:

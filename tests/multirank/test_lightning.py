@@ -39,6 +39,17 @@ def test_trains_like_lightnings_ddp(tmp_path, how):
     assert_same_run(theirs, ours, " ".join(how), WRAPPER)
 
 
+def test_static_graph_with_accumulation(tmp_path):
+    """static_graph=True with accumulate_grad_batches=2: Lightning's DDPStrategy fails here in
+    torch's reducer ("expect_autograd_hooks_ INTERNAL ASSERT FAILED", torch 2.13, the no_sync
+    micro-batch), so the oracle is Lightning's DDPStrategy without static_graph: a static graph
+    changes when buckets are reduced, never the sums."""
+    theirs = _train(tmp_path, "torch", "--strategy", "torch", "--accumulate", "2")
+    ours = _train(tmp_path, "pyreducer", "--strategy", "pyreducer", "--accumulate", "2",
+                  "--ddp-options", '{"static_graph": true}')
+    assert_same_run(theirs, ours, "static_graph with accumulation", WRAPPER)
+
+
 def test_an_overlapped_optimizer_is_refused_by_name(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pyreducer.testing.train_lightning", "--out",
                            str(tmp_path / "x.pt"), "--strategy", "pyreducer", "--overlap"],

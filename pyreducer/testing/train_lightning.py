@@ -3,7 +3,11 @@ pyreducer's (tests/multirank/test_lightning.py runs it both ways and compares).
 
     python -m pyreducer.testing.train_lightning --strategy pyreducer --out run.pt \
         [--manual] [--accumulate 2] [--steps 12] [--save ckpt] [--resume ckpt] \
-        [--ddp-options JSON] [--overlap]
+        [--ddp-options JSON] [--overlap] [--fp16-hook]
+
+--fp16-hook: torch's fp16_compress_hook, through DDPStrategy(ddp_comm_hook=) for pyreducer's
+strategy; Lightning's registers comm hooks on CUDA only, so for Lightning's own strategy a callback
+registers it on torch DDP at fit start.
 
 Lightning launches the second process itself (its "popen" launcher re-runs this command). Rank 0
 writes {"losses": [...], "params": {name: tensor}} to --out.
@@ -58,6 +62,18 @@ def _data(samples: int = 512):
     return torch.utils.data.TensorDataset(x, y)
 
 
+def _hook_at_fit_start(hook):
+    import lightning.pytorch as pl
+
+    class HookAtFitStart(pl.Callback):
+        """Registers `hook` on the strategy's torch DDP (Lightning does so on CUDA only)."""
+
+        def on_fit_start(self, trainer, pl_module):
+            trainer.strategy.model.register_comm_hook(None, hook)
+
+    return HookAtFitStart()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--strategy", choices=["torch", "pyreducer", "pyreducer_name"],
@@ -71,11 +87,19 @@ def main(argv=None) -> None:
     parser.add_argument("--ddp-options", default="{}", help="JSON: more DDPStrategy arguments")
     parser.add_argument("--overlap", action="store_true",
                         help="configure_optimizers returns an overlapped optimizer")
+    parser.add_argument("--fp16-hook", action="store_true", help="torch's fp16_compress_hook")
     args = parser.parse_args(argv)
 
     import lightning.pytorch as pl
 
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     options = json.loads(args.ddp_options)
+    callbacks = []
+    if args.fp16_hook and args.strategy == "torch":
+        callbacks.append(_hook_at_fit_start(default_hooks.fp16_compress_hook))
+    elif args.fp16_hook:
+        options["ddp_comm_hook"] = default_hooks.fp16_compress_hook
     if args.strategy == "torch":
         strategy = pl.strategies.DDPStrategy(process_group_backend="gloo", **options)
     elif args.strategy == "pyreducer":
@@ -92,7 +116,7 @@ def main(argv=None) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps,
                          accumulate_grad_batches=1 if args.manual else args.accumulate,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, deterministic=True)
+                         enable_model_summary=False, deterministic=True, callbacks=callbacks)
     trainer.fit(model, loader, ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)

@@ -28,11 +28,14 @@ def _train(tmp_path, name, *args):
 @pytest.mark.parametrize("how", [
     ["--accumulate", "2"], ["--manual"],
     ["--accumulate", "2", "--ddp-options",
-     '{"find_unused_parameters": true, "gradient_as_bucket_view": true}']],
-    ids=["accumulate_grad_batches", "manual_optimisation", "find_unused_bucket_view"])
+     '{"find_unused_parameters": true, "gradient_as_bucket_view": true}'],
+    ["--fp16-hook"]],
+    ids=["accumulate_grad_batches", "manual_optimisation", "find_unused_bucket_view",
+         "fp16_comm_hook"])
 def test_trains_like_lightnings_ddp(tmp_path, how):
-    """Automatic optimisation with gradient accumulation (Lightning's no_sync), and manual
-    optimisation (Note [Lightning's manual optimisation]): the same losses and parameters."""
+    """Automatic optimisation with gradient accumulation (Lightning's no_sync), manual
+    optimisation (Note [Lightning's manual optimisation]), DDP options through DDPStrategy's
+    arguments, a comm hook (ddp_comm_hook=): the same losses and parameters."""
     theirs = _train(tmp_path, "torch", "--strategy", "torch", *how)
     ours = _train(tmp_path, "pyreducer", "--strategy", "pyreducer", *how)
     assert len(ours["losses"]) == (24 if "--accumulate" in how else 12)

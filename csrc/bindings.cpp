@@ -80,15 +80,23 @@ class PythonCommHook : public CommHook {
   }
   FuturePtr run(GradBucketView& bucket) override {
     py::gil_scoped_acquire gil;
+    py::object result;
     try {
-      py::object result = hook_(state_, PyGradBucket{bucket});
-      return result.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+      result = hook_(state_, PyGradBucket{bucket});
     } catch (py::error_already_set& error) {
       throw std::runtime_error("pyreducer: communication hook " + name_ + " raised for bucket " +
                                std::to_string(bucket.index) + ": " + error.what());
+    }
+    try {
+      return result.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
     } catch (py::cast_error&) {
-      throw std::runtime_error("pyreducer: communication hook " + name_ +
-                               " must return a torch.futures.Future, got something else");
+      // torch's wording (its tests and users match on it), then the hook and bucket.
+      py::handle type = py::type::handle_of(result);
+      throw std::runtime_error(
+          "DDP communication hook's callback must return a torch.futures.Future object, but "
+          "got " + py::str(type.attr("__module__")).cast<std::string>() + "." +
+          py::str(type.attr("__qualname__")).cast<std::string>() + " (pyreducer: hook " + name_ +
+          ", bucket " + std::to_string(bucket.index) + ")");
     }
   }
   at::Tensor parse_result(const c10::IValue& value) override {

@@ -207,10 +207,12 @@ def test_python_hook_runs_once_per_bucket_and_nothing_else(hook_path):
 @pytest.mark.parametrize("key,words", [
     ("late", "before the first synced forward"),
     ("raises", "raised for bucket 0"),
-    ("not_future", "must return a torch.futures.Future"),
+    ("not_future", "RuntimeError: DDP communication hook's callback must return a "
+                   "torch.futures.Future object, but got torch.Tensor (pyreducer: hook "),
     ("wrong_shape", "returned 3 elements for bucket 0, expected"),
     ("wrong_dtype", "returned a Half tensor on cpu for bucket 0 on rank"),
-    # torch DDP's exception types and words
+    # torch DDP's exception types and words (not_future's too: torch's test matches on
+    # "callback must return a torch.futures.Future object, but got")
     ("not_callable", "TypeError: Communication hook must be callable."),
     ("bad_return_annotation", "ValueError: Communication hook: return annotation should be "
                               "torch.futures.Future[torch.Tensor]."),

@@ -260,10 +260,12 @@ void Reducer::on_gradient(size_t index) {
   stats_.ready_order.push_back(static_cast<int64_t>(index));
   if (static_after_first_iteration()) {
     if (hook_counts_[index] == 0 || countdown_[index] == 0) {
-      fail("pyreducer: with static_graph=True, parameter " + param_names_[index] + " on rank " +
-           std::to_string(group_->getRank()) + " got more gradients this iteration than in the "
-           "first one (" + std::to_string(hook_counts_[index]) +
-           "): the graph changed, which static_graph does not allow.");
+      // torch DDP's words first (its static-graph test matches on them), then pyreducer's.
+      fail("Your training graph has changed in this iteration, e.g., one parameter is unused in "
+           "first iteration, but then got used in the second iteration. this is not compatible "
+           "with static_graph set to True. (pyreducer: parameter " + param_names_[index] +
+           " on rank " + std::to_string(group_->getRank()) + " got more gradients this "
+           "iteration than in the first one, " + std::to_string(hook_counts_[index]) + ".)");
     }
     if (--countdown_[index] > 0) return;
   }
@@ -358,18 +360,6 @@ void Reducer::mark_sparse_ready(size_t index, Bucket& bucket) {
   bucket.flat = grad;                    // the same tensor: the result is copied back into it
 }
 
-std::string Reducer::describe_unready(size_t max_names) const {
-  std::string names;
-  size_t count = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (ready_[i]) continue;
-    if (count < max_names) names += (count ? ", " : "") + param_names_[i];
-    count += 1;
-  }
-  if (count > max_names) names += ", ... (" + std::to_string(count - max_names) + " more)";
-  return std::to_string(count) + " parameter(s) received no gradient: " + names;
-}
-
 void Reducer::finalize_backward() {
   std::function<void()> deferred;
   try {
@@ -408,12 +398,7 @@ void Reducer::finalize() {
     launch_used_map_allreduce();
   }
   if (next_launch_ < launch_order_.size()) {
-    fail("pyreducer: backward on rank " + std::to_string(group_->getRank()) +
-         " finished before every gradient was reduced: " + describe_unready(20) +
-         ". The gradients would be left un-averaged. Make every parameter take part in the "
-         "loss, pass find_unused_parameters=True, or exclude parameters with "
-         "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) "
-         "before wrapping.");
+    fail(unready_error());
   }
   if (deferred_) {
     defer_reductions();  // See Note [Deferred completion]

@@ -315,6 +315,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // The device timeline while an iteration is being recorded, else null.
   DeviceTimeline* device_recording() const { return record_ ? device_timeline_.get() : nullptr; }
   std::string describe_unready(size_t max_names) const;
+  // The error for a backward that ended with unreduced buckets (torch DDP's words first).
+  std::string unready_error() const;
   void check_gradient(size_t index, const at::Tensor& grad, const at::Tensor& slot) const;
   [[noreturn]] void fail(const std::string& message);  // resets the iteration, then throws
   template <typename Fn>

@@ -1,6 +1,7 @@
 // The Reducer between iterations: the Python thread's calls that configure it (communication
 // hooks, static graph, the join divisor), a joined rank's shadow backward, and what it reports
-// (iterations, the last backward's stats, the last error). The iteration itself is in
+// (iterations, the last backward's stats, the last error, the words of the error for gradients
+// left unreduced). The iteration itself is in
 // reducer.cpp (see Note [Reducer iteration]), its bucket I/O in reducer_buckets.cpp.
 #include "reducer.h"
 
@@ -244,6 +245,54 @@ bool Reducer::has_comm_hook() const {
 std::vector<int64_t> Reducer::launch_chunks() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return chunks_;
+}
+
+std::string Reducer::describe_unready(size_t max_names) const {
+  std::string names, indices;
+  size_t count = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (ready_[i]) continue;
+    if (count < max_names) {
+      names += (count ? ", " : "") + param_names_[i];
+      indices += (count ? " " : "") + std::to_string(i);
+    }
+    count += 1;
+  }
+  const std::string more =
+      count > max_names ? " ... (" + std::to_string(count - max_names) + " more)" : "";
+  const std::string rank = std::to_string(group_->getRank());
+  // torch DDP's last two lines (the names: its TORCH_DISTRIBUTED_DEBUG=INFO/DETAIL form)
+  return "Parameter indices which did not receive grad for rank " + rank + ": " + indices + more +
+         "\nParameters which did not receive grad for rank " + rank + ": " + names + more;
+}
+
+std::string Reducer::unready_error() const {
+  // torch DDP's words first, which its tests and users match on (it raises them at the next
+  // forward, pyreducer at the end of this backward), then pyreducer's.
+  std::string cause;
+  if (options_.static_graph) {
+    cause = "This error indicates that your training graph has changed in this iteration, "
+            "e.g., one parameter is used in first iteration, but then got unused in the second "
+            "iteration. this is not compatible with static_graph set to True.";
+  } else if (options_.find_unused_parameters) {
+    cause = "Since `find_unused_parameters=True` is enabled, this likely means that not all "
+            "`forward` outputs participate in computing loss. You can fix this by making sure "
+            "all `forward` function outputs participate in calculating loss.";
+  } else {
+    cause = "This error indicates that your module has parameters that were not used in "
+            "producing loss. You can enable unused parameter detection by passing the keyword "
+            "argument `find_unused_parameters=True` to `torch.nn.parallel."
+            "DistributedDataParallel`, and by making sure all `forward` function outputs "
+            "participate in calculating loss, or exclude parameters with "
+            "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) "
+            "before wrapping.";
+  }
+  return "Expected to have finished reduction in the prior iteration before starting a new "
+         "one. " + cause + "\n" + describe_unready(20) + "\n(pyreducer: backward on rank " +
+         std::to_string(group_->getRank()) + " finished before every gradient was reduced; "
+         "the gradients would be left un-averaged. torch DDP names the parameters only if you "
+         "set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL; "
+         "pyreducer always does.)";
 }
 
 }  // namespace pyreducer

@@ -48,7 +48,23 @@ def unused_parameter_worker(rank, world_size):
             return self.used(self.trunk(x))
 
     model = DistributedDataParallel(TwoHeads())
-    return _capture(lambda: model(torch.randn(2, 4)).sum().backward())
+    result = _capture(lambda: model(torch.randn(2, 4)).sum().backward())
+
+    class Switch(TwoHeads):
+        """static_graph=True: the `unused` head joins in when `both` is set."""
+        both = False
+
+        def forward(self, x):
+            h = self.trunk(x)
+            return self.used(h) + (self.unused(h) if self.both else 0)
+
+    for key, first, second in (("graph_grew", False, True), ("graph_shrank", True, False)):
+        model = DistributedDataParallel(Switch(), static_graph=True)
+        model.module.both = first
+        model(torch.randn(2, 4)).sum().backward()
+        model.module.both = second
+        result[key] = _capture(lambda: model(torch.randn(2, 4)).sum().backward())
+    return result
 
 
 class _TwoEmbeddings(nn.Module):
@@ -114,6 +130,31 @@ def test_unused_parameter_named_at_end_of_backward():
         assert "unused.weight" in r["error"] and "unused.bias" in r["error"]
         assert "trunk.weight" not in r["error"]
         assert "_set_params_and_buffers_to_ignore_for_model" in r["error"]
+        # torch DDP's words, which its own tests (distributed_test.py, the unused-parameter
+        # tests) and users match on, with both of its ways of naming the parameters
+        for words in ["Expected to have finished reduction in the prior iteration",
+                      "passing the keyword argument `find_unused_parameters=True`",
+                      "`forward` function outputs participate in calculating loss",
+                      "set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or "
+                      "DETAIL",
+                      f"Parameter indices which did not receive grad for rank {rank}: 4 5",
+                      f"Parameters which did not receive grad for rank {rank}: unused.weight, "
+                      "unused.bias"]:
+            assert words in r["error"], (words, r["error"])
+        assert "Since `find_unused_parameters=True` is enabled" not in r["error"]
+        # torch's static-graph wording (distributed_test.py's test_ddp_static_graph_... match
+        # on the first, and on the second up to the parameter indices)
+        grew, shrank = r["graph_grew"]["error"], r["graph_shrank"]["error"]
+        assert grew is not None and "Your training graph has changed in this iteration, e.g., " \
+            "one parameter is unused in first iteration, but then got used in the second " \
+            "iteration. this is not compatible with static_graph set to True." in grew, grew
+        assert "unused.weight" in grew or "unused.bias" in grew, grew
+        assert shrank is not None and "Expected to have finished reduction in the prior " \
+            "iteration before starting a new one. This error indicates that your training " \
+            "graph has changed in this iteration, e.g., one parameter is used in first " \
+            "iteration, but then got unused in the second iteration. this is not compatible " \
+            "with static_graph set to True.\nParameter indices which did not receive grad for " \
+            f"rank {rank}: 4 5" in shrank, shrank
         assert r["seconds"] < 30
 
 

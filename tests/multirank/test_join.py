@@ -164,3 +164,36 @@ def test_autotune_decides_while_a_rank_has_joined(joined):
     assert [e.get("plan") for e in logs[0]] == [e.get("plan") for e in logs[-1]]
     chosen_at = logs[0][-1]["iteration"]
     assert chosen_at > 4, chosen_at  # decided after rank 0 had joined
+
+
+def early_termination_worker(rank, world_size):
+    """join(throw_on_early_termination=True), rank 0 with 2 batches, the others with 4: what each
+    rank raises, with torch DDP and with pyreducer."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    out = {}
+    for name, wrap in (("torch", TorchDDP), ("ours", DistributedDataParallel)):
+        torch.manual_seed(0)
+        model = wrap(torch.nn.Linear(4, 2))
+        try:
+            with model.join(throw_on_early_termination=True):
+                for _ in range(2 if rank == 0 else 4):
+                    model(torch.randn(3, 4)).sum().backward()
+            out[name] = None
+        except RuntimeError as error:
+            out[name] = str(error)
+        dist.barrier()
+    return out
+
+
+def test_early_termination_raises_torchs_errors(ranks_once):
+    """The early rank raises "Rank 0 exhausted all inputs.", the others "Detected at least one
+    rank that exhausted inputs." (torch's Join and distributed_test.py's words), as with torch DDP."""
+    results = ranks_once(early_termination_worker, 2, ())
+    assert results[0]["ours"] is not None and "Rank 0 exhausted all inputs" in results[0]["ours"]
+    assert results[1]["ours"] is not None \
+        and "Detected at least one rank that exhausted inputs." in results[1]["ours"]
+    for r in results:
+        assert r["ours"] == r["torch"], r

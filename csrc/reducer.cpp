@@ -290,11 +290,14 @@ void Reducer::check_gradient(size_t index, const at::Tensor& grad, const at::Ten
 
 void Reducer::mark_ready(size_t index) {
   if (ready_[index]) {
-    fail("pyreducer: parameter " + param_names_[index] + " on rank " +
-         std::to_string(group_->getRank()) +
-         " was marked ready twice in one backward: its AccumulateGrad hook fired more than "
-         "once (reentrant activation checkpointing does this; pass static_graph=True), or it "
-         "was found unused and then got a gradient anyway.");
+    // torch DDP's words first (its tests match on the start), then pyreducer's.
+    fail("Expected to mark a variable ready only once. Parameter at index " +
+         std::to_string(index) + " with name " + param_names_[index] + " has been marked as "
+         "ready twice. This means that multiple autograd engine hooks have fired for this "
+         "particular parameter during this iteration. (pyreducer: rank " +
+         std::to_string(group_->getRank()) + "; reentrant activation checkpointing does this: "
+         "pass static_graph=True; or the parameter was found unused and then got a gradient "
+         "anyway.)");
   }
   const SlotLocation& location = set_.locations[index];
   Bucket& bucket = set_.buckets[location.bucket];

@@ -1,6 +1,7 @@
 """Errors instead of hangs: each case must raise a clear error (type, key words naming the
 parameter and rank) promptly, on 2 spawned Gloo ranks, every run bounded in wall-clock time."""
 import os
+import re
 import time
 
 import pytest
@@ -120,6 +121,38 @@ def test_different_strides_named_at_construction():
                "rank 0" in r["error"]
         assert "strides (27, 1, 9, 3) on rank 1" in r["error"] and "channels_last" in r["error"]
         assert r["seconds"] < 30
+
+
+def ready_twice_worker(rank, world_size):
+    """A layer run twice under reentrant checkpointing, without static_graph: its gradient hook
+    fires twice in one backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    from pyreducer import DistributedDataParallel
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.layer = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = checkpoint(self.layer, self.first(x), use_reentrant=True)
+            return checkpoint(self.layer, x, use_reentrant=True)
+
+    model = DistributedDataParallel(Twice())
+    return _capture(lambda: model(torch.randn(2, 4)).sum().backward())
+
+
+def test_a_parameter_ready_twice_is_torchs_error():
+    """torch's words first (test_c10d_common's checkpointing tests and test_c10d_nccl's
+    find_unused_parameters tests match on the start), then pyreducer's hint."""
+    for rank, r in enumerate(run_ranks(ready_twice_worker, 2, timeout_s=60)):
+        assert r["error"] is not None, "no error"
+        message = r["error"].split(": ", 1)[1]  # after the exception's type
+        assert re.match(r"Expected to mark a variable ready only once\. Parameter at index "
+                        r"(2 with name layer\.weight|3 with name layer\.bias) has been marked "
+                        r"as ready twice\.", message), message
+        assert f"rank {rank}" in message and "static_graph=True" in message, message
 
 
 def test_unused_parameter_named_at_end_of_backward():

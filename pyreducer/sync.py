@@ -82,32 +82,51 @@ def _describe(meta) -> str:
     return f"{name} {tuple(shape)} {dtype} strides {tuple(strides)}"
 
 
+class ModelMismatchError(RuntimeError, ValueError):
+    """The ranks hold different models: a RuntimeError, as torch DDP raises, and a ValueError,
+    as pyreducer raised before."""
+
+
+def _mismatch(index: int, rank: int, mine, theirs) -> str:
+    """torch DDP's words for a parameter that differs from rank 0's (its tests match on them),
+    where torch has words for the difference (sizes, strides), then pyreducer's."""
+    _, shape, _, strides = theirs
+    layout = " (a different memory format, e.g. channels_last on one rank only)" \
+        if mine[:3] == theirs[:3] else ""
+    ours = (f"pyreducer.DistributedDataParallel expects the same model on every rank: parameter "
+            f"#{index} is {_describe(mine)} on rank 0 but {_describe(theirs)} on rank "
+            f"{rank}{layout}.")
+    if shape != mine[1]:
+        return (f"[{rank}]: params[{index}] in this process with sizes {list(shape)} appears not "
+                f"to match sizes of the same param in process 0. ({ours})")
+    if strides != mine[3]:
+        return (f"[{rank}]: params[{index}] in this process with sizes {list(shape)} and strides "
+                f"{list(strides)} appears not to match strides of the same param in process 0. "
+                f"({ours})")
+    return ours
+
+
 def verify_same_model(named_params: list[tuple[str, torch.Tensor]], group, device) -> None:
-    """Raises ValueError on every rank unless all ranks hold the same parameters.
+    """Raises ModelMismatchError on every rank unless all ranks hold the same parameters.
 
     Compares, in order, every reduced parameter's name, shape, dtype and strides with rank 0's
     (as torch DDP compares sizes and strides: a parameter that is channels_last on one rank only
     would make the bucket views pair different elements); the error names the first difference
     and the ranks involved. All ranks receive the same data, so they all raise together (no
-    rank is left waiting).
+    rank is left waiting; torch DDP raises on the differing ranks only).
     """
     local = [(name, tuple(p.shape), str(p.dtype), tuple(p.stride())) for name, p in named_params]
     gathered = all_gather_object(local, group, device)
     reference = gathered[0]
     for rank, metas in enumerate(gathered[1:], start=1):
         if len(metas) != len(reference):
-            raise ValueError(
-                "pyreducer.DistributedDataParallel expects the same model on every rank: "
-                f"rank 0 has {len(reference)} parameters that require grad, rank {rank} has "
-                f"{len(metas)}.")
+            raise ModelMismatchError(
+                f"DDP expects same model across all ranks, but Rank {rank} has {len(metas)} "
+                f"params, while rank 0 has inconsistent {len(reference)} params. (pyreducer: "
+                f"parameters that require grad.)")
         for index, (mine, theirs) in enumerate(zip(reference, metas)):
             if mine != theirs:
-                layout = " (a different memory format, e.g. channels_last on one rank only)" \
-                    if mine[:3] == theirs[:3] else ""
-                raise ValueError(
-                    "pyreducer.DistributedDataParallel expects the same model on every rank: "
-                    f"parameter #{index} is {_describe(mine)} on rank 0 but "
-                    f"{_describe(theirs)} on rank {rank}{layout}.")
+                raise ModelMismatchError(_mismatch(index, rank, mine, theirs))
 
 
 def verify_same_plan(plan: list[list[int]] | None, group, device,

@@ -101,11 +101,21 @@ def peer_dies_worker(rank, world_size):
     return _capture(lambda: model(torch.randn(2, 64)).sum().backward())
 
 
+def test_a_model_mismatch_is_a_runtime_error_and_a_value_error():
+    from pyreducer.sync import ModelMismatchError
+
+    assert issubclass(ModelMismatchError, RuntimeError)  # torch DDP's type
+    assert issubclass(ModelMismatchError, ValueError)  # pyreducer's until now
+
+
 def test_different_models_named_at_construction():
     results = run_ranks(different_models_worker, 2, timeout_s=60)
     for r in results:
         assert r["error"] is not None
-        assert "ValueError" in r["error"] and "same model" in r["error"]
+        assert "ModelMismatchError" in r["error"] and "same model" in r["error"]
+        # torch's words (test_c10d_nccl's layout test matches on them)
+        assert "[1]: params[0] in this process with sizes [9, 4] appears not to match sizes of " \
+            "the same param in process 0." in r["error"], r["error"]
         assert "0.weight (8, 4)" in r["error"] and "0.weight (9, 4)" in r["error"]
         assert "rank 1" in r["error"]
         assert r["seconds"] < 30
@@ -116,7 +126,9 @@ def test_different_strides_named_at_construction():
     different elements together, silently. torch DDP checks strides too."""
     results = run_ranks(channels_last_on_one_rank_worker, 2, timeout_s=60)
     for r in results:
-        assert r["error"] is not None and "ValueError" in r["error"]
+        assert r["error"] is not None and "ModelMismatchError" in r["error"]
+        assert re.search(r".* appears not to match strides of the same param in process 0",
+                         r["error"]), r["error"]
         assert "parameter #0 is 0.weight (8, 3, 3, 3) torch.float32 strides (27, 9, 3, 1) on " \
                "rank 0" in r["error"]
         assert "strides (27, 1, 9, 3) on rank 1" in r["error"] and "channels_last" in r["error"]

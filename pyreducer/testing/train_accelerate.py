@@ -17,6 +17,7 @@ batches already seen). Rank 0 writes {"losses", "params"
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -122,6 +123,11 @@ def main(argv=None) -> None:
                         params={k: v.detach().clone() for k, v in unwrapped.state_dict().items()}),
                    args.out)
     accelerator.wait_for_everyone()  # all ranks done before Gloo is torn down
+    # The wrapper goes before the group (as in train_hf_trainer.py: torch DDP's Reducer holding
+    # the last reference to the group can hang at exit).
+    accelerator.free_memory()
+    del model, opt
+    gc.collect()
     accelerator.end_training()  # destroys the process group
 
 

@@ -14,6 +14,7 @@ Trainer's logged loss per step), "params", "wrapper", "buckets"} to --out.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -80,6 +81,13 @@ def main(argv=None) -> None:
                         params={k: v.detach().clone() for k, v in model.state_dict().items()}),
                    args.out)
     torch.distributed.barrier()  # all ranks done before Gloo is torn down
+    # The wrapper goes while the group is still registered: torch DDP's Reducer, left holding the
+    # last reference to the group, destroys it with the GIL held and can wait forever for a Gloo
+    # worker that waits for the GIL (a torch-side resumed run hung so at exit in CI; see Note
+    # [Letting the Reducer go without the GIL] in csrc/bindings.cpp).
+    trainer.accelerator.free_memory()
+    del trainer, wrapped
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 

@@ -36,7 +36,7 @@ import contextlib
 
 import accelerate
 import torch
-from accelerate.utils import DistributedType, is_compiled_module
+from accelerate.utils import is_compiled_module
 
 from pyreducer.distributed import DistributedDataParallel
 
@@ -62,15 +62,6 @@ def _wrapper_class(options: dict):
     return AcceleratePreparedDDP
 
 
-def _wraps_for_ddp(accelerator, model) -> bool:
-    """Whether Accelerate's prepare_model would wrap `model` in torch DDP (as its code decides)."""
-    if accelerator.distributed_type == DistributedType.MULTI_CPU:
-        return True
-    return (accelerator.multi_device
-            and not (accelerator.parallelism_config and accelerator.parallelism_config.tp_enabled)
-            and any(p.requires_grad for p in model.parameters()))
-
-
 class Accelerator(accelerate.Accelerator):
     """accelerate.Accelerator with pyreducer's DistributedDataParallel: the same arguments, plus
     `ddp_options`, keyword arguments for pyreducer's wrapper beyond DistributedDataParallelKwargs
@@ -83,19 +74,17 @@ class Accelerator(accelerate.Accelerator):
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):
-        if evaluation_mode or getattr(model, "_is_accelerate_prepared", False) \
-                or not _wraps_for_ddp(self, model):
-            return super().prepare_model(model, device_placement, evaluation_mode)
+        torch_ddp = torch.nn.parallel.DistributedDataParallel
         with bound(torch.nn.parallel, "DistributedDataParallel",
                    _wrapper_class(self.pyreducer_ddp_options)):
             prepared = super().prepare_model(model, device_placement, evaluation_mode)
         inner = prepared._orig_mod if is_compiled_module(prepared) else prepared
-        if not isinstance(inner, DistributedDataParallel):
+        if isinstance(inner, torch_ddp):
             raise RuntimeError(
                 f"pyreducer.accelerate: Accelerate {accelerate.__version__} did not build its "
                 f"data-parallel wrapper through torch.nn.parallel.DistributedDataParallel "
-                f"(expected a pyreducer DistributedDataParallel, got {type(inner).__name__}); "
-                f"this Accelerate version is not supported")
+                f"(expected pyreducer's DistributedDataParallel, got torch's, from "
+                f"{type(inner).__module__}); this Accelerate version is not supported")
         return prepared
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):

@@ -29,6 +29,8 @@ from pyreducer.sync import slowest  # noqa: E402
 VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overlapped",
             "overlap")
 OVERLAPPED = ("overlapped", "overlap")  # with the overlapped optimizer
+# every run tunes from scratch: no decision remembered by an earlier run (pyreducer/tuning/memory.py)
+os.environ["PYREDUCER_TUNING_CACHE"] = "off"
 AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
 OVERLAP_WARMUP = 84  # the overlapped optimizer plans after ~12 steps (6 of them held), then times
 # 2 rounds x 4 x 5 steps (its three best schedules and the step barrier) and a run-off of

@@ -29,15 +29,14 @@ from pyreducer.overlap import OverlapOptimizer
 from pyreducer.join import (ReducerJoinHook, find_common_rank, refuse_unjoinable,
                             vote_backward_sync)
 from pyreducer.params import ReducedParams, reduced_parameters
+from pyreducer.tuning import announce
 from pyreducer.tuning.autotune import AutoTuner
 from pyreducer.tuning.control import BucketTuning
 from pyreducer.watch import ParameterWatch
 
 # The Reducer's defaults (csrc/reducer.h ReducerOptions), stated there once.
 _DEFAULTS = _C.ReducerOptions()
-# PYREDUCER_TRACE=<dir>: every wrapper records its rank's timeline and profile into <dir> at
-# exit, for `python -m pyreducer report <dir>` (pyreducer/observe/recorder.py).
-TRACE_ENV = "PYREDUCER_TRACE"
+TRACE_ENV = "PYREDUCER_TRACE"  # =<dir>: every wrapper records its timeline there (observe/recorder)
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -63,11 +62,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradients), cast back afterwards; averaged after the sum, as with a predivide factor
             of 1. Neither can be combined with a communication hook or mixed_precision.
         check_finite: a NaN or Inf in an averaged gradient makes backward raise on every rank,
-            naming the parameters and the ranks it came from (csrc/reducer_finite.cpp; the
-            delayed all-reduce's parameters: pyreducer/delayed.py).
-
-    bucket_cap_mb="auto" (or a pyreducer.tuning.AutotuneConfig) turns on online autotune
-    (pyreducer/tuning/autotune.py).
+            naming the parameters and the ranks it came from (csrc/reducer_finite.cpp).
+    bucket_cap_mb="auto" (or a tuning.AutotuneConfig): online autotune (tuning/autotune.py).
     """
 
     _buffer_group = None  # overlap_optimizer(): Note [Buffers beside deferred reductions]
@@ -389,10 +385,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self._tuning.profile(forward_ms, optimizer_ms, last)
 
     def plan_buckets(self, link=None, forward_ms: float = 0.0, optimizer_ms: float = 0.0) -> dict:
-        """The plan that minimises the predicted step time, next to the current plan's and torch
-        DDP's default; call on every rank (probes the link, and on CPU its contention, unless
-        `link` is given; rank 0's answer is broadcast). Apply it with
-        apply_bucket_plan(result["plan"]) or save it."""
+        """The plan of least predicted step time, beside the current plan's and torch DDP's; on
+        every rank (probes the link unless given; rank 0's answer). apply_bucket_plan applies it."""
         return self._tuning.plan_buckets(link, forward_ms, optimizer_ms)
 
     def apply_bucket_plan(self, plan) -> None:
@@ -404,6 +398,13 @@ class DistributedDataParallel(nn.Module, Joinable):
     def autotune_log(self) -> list[dict]:
         """Online autotune's decisions so far (empty without bucket_cap_mb="auto")."""
         return self._autotune.log if self._autotune is not None else []
+
+    def tuning_phase(self) -> tuple[str, dict]:
+        """What the tuners do in the coming steps, in words (tuning.announce.phase), and their
+        logs ("buckets": autotune_log, "schedule": the overlapped optimizer's schedule_log)."""
+        logs = dict(buckets=self._autotune, schedule=getattr(self._overlap, "tuner", None))
+        logs = {what: tuner.log for what, tuner in logs.items() if tuner is not None}
+        return announce.phase(self._autotune, self._overlap), logs
 
     # -- uneven inputs (torch.distributed.algorithms.join protocol) -------------------------------
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -431,11 +432,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- the overlapped optimizer (pyreducer/overlap.py) ----------------------------------------
     def overlap_optimizer(self, optimizer, **options):
-        """An optimizer whose updates overlap the next forward: each bucket's parameters are
-        updated with `optimizer`'s own math just before the next forward reads them (Note
-        [Overlapped step] in pyreducer/overlap.py; the loop does not change). Options
-        (max_grad_norm, schedule, hold_back): see OverlapOptimizer. Called again, it replaces
-        the previous one (whose pending updates are done first, and whose step() then raises)."""
+        """An optimizer whose updates overlap the next forward, each bucket's with `optimizer`'s
+        math just before the next forward reads it (Note [Overlapped step], overlap.py). Options
+        (max_grad_norm, schedule, hold_back): OverlapOptimizer. Called again, it replaces the
+        previous one (its pending updates done first; its step() then raises)."""
         arguments.refuse_overlap_with(join=self._join_config.enable,
                                       check_finite=self._reducer_settings["check_finite"])
         self._overlap = OverlapOptimizer(optimizer, self.reducer, self._params, self.module,

@@ -17,6 +17,11 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pyreducer.testing import run_ranks  # noqa: E402
 
+# Autotune remembers its decisions in a cache file (pyreducer/tuning/memory.py) unless told not to:
+# tests that tune must not read a developer's cache nor each other's decisions. The spawned ranks
+# inherit this; the cache's own tests give AutotuneConfig(cache=<path>).
+os.environ["PYREDUCER_TUNING_CACHE"] = "off"
+
 
 @functools.lru_cache(maxsize=None)
 def _cached_run(fn, world_size, args):

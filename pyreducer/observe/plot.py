@@ -144,3 +144,29 @@ def overlap_gantt(records: list[dict], path) -> str:
                  "its first chunk's launch to its last chunk's completion)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save(fig, path)
+
+
+def tuning_phase(tuning: dict, path) -> str:
+    """One rank's step times (between synced forwards) over the recorded steps, shaded by what
+    the tuners did (observe/recorder.py's `tuning`): bucket autotune blue, the schedule
+    tuner orange, decided white."""
+    from pyreducer.tuning import announce
+
+    starts, phases = tuning["forward_start_ns"], tuning["phases"]
+    fig = new_figure(11, 3.8)
+    ax = fig.subplots()
+    steps = list(range(1, len(starts)))
+    ax.plot(steps, [(b - a) / 1e6 for a, b in zip(starts, starts[1:])], color="black", lw=1,
+            marker=".", markersize=3)
+    colours = {"buckets": "#cfe2f3", "schedule": "#fce5cd"}
+    for first, last, name in announce.spans(phases):
+        kind = name.split(":")[0]
+        if kind in colours:
+            ax.axvspan(first - 0.5, last + 0.5, color=colours[kind], lw=0)
+        if name == "decided":
+            ax.axvline(first - 0.5, color="tab:green", lw=1)
+    ax.set_xlabel("synced step (recorded; shaded: bucket autotune blue, schedule tuning orange, "
+                  "green line: decided)")
+    ax.set_ylabel("step time, ms (forward to forward)")
+    ax.set_title("the tuning phase, rank 0", fontsize=9)
+    return save(fig, path)

@@ -54,6 +54,8 @@ class Recorder:
         self.clock_offset_ns = clock_offsets_ns(params.process_group, params.device)[self.rank]
         self.run_id = _run_id(params)
         self.forward_ns: collections.deque = collections.deque(maxlen=1024)  # (start, end) ns
+        self.phases: collections.deque = collections.deque(maxlen=1024)  # ... the tuners' phase
+        self.tuning_logs: dict = {}  # the tuners' decision logs (lists they append to)
         self.hook_ids: set = set()  # the forward hooks attach() registered on the wrapper
         self._started = 0
         self.written: str | None = None
@@ -67,7 +69,7 @@ class Recorder:
         recorder.compiled = compiled  # CompiledSplits: how torch.compile's graphs were split
         recorder.hook_ids = {
             ddp.register_forward_pre_hook(lambda module, args: recorder._forward_start()).id,
-            ddp.register_forward_hook(lambda module, args, output: recorder._forward_end()).id}
+            ddp.register_forward_hook(lambda module, args, output: recorder._forward_end(module)).id}
         weakref.finalize(ddp, recorder.write)  # also runs at interpreter exit
         _attached.add(recorder)
         return recorder
@@ -79,9 +81,12 @@ class Recorder:
     def _forward_start(self) -> None:
         self._started = _C.Reducer.now_ns()
 
-    def _forward_end(self) -> None:
+    def _forward_end(self, ddp) -> None:
         if self.reducer.armed:  # a synced forward: its backward will be recorded
             self.forward_ns.append((self._started, _C.Reducer.now_ns()))
+            # what the tuners did in this step (they act at its start, in the wrapper's forward)
+            phase, self.tuning_logs = ddp.tuning_phase()
+            self.phases.append(phase)
 
     def path(self) -> str:
         suffix = f".model{self.index}" if self.index else ""
@@ -105,6 +110,15 @@ class Recorder:
                                         self.params.group_keys)
         return vars(profile)
 
+    def tuning(self) -> dict:
+        """The tuning phase: each recorded synced forward's start (ns, this rank's clock) and
+        the tuners' phase in that step (tuning.announce.phase), and their decision logs."""
+        logs = {what: [{k: v for k, v in entry.items() if k not in ("profile", "candidates",
+                                                                     "contention_in_place")}
+                       for entry in log] for what, log in self.tuning_logs.items()}
+        return dict(forward_start_ns=[start for start, _ in self.forward_ns],
+                    phases=list(self.phases), logs=logs)
+
     def write(self) -> str | None:
         """Writes this rank's file (once); returns its path."""
         if self.written is not None:
@@ -116,9 +130,10 @@ class Recorder:
                         host=socket.gethostname(), pid=os.getpid(),
                         clock_offset_ns=self.clock_offset_ns, timeline=records,
                         profile=self.profile(records),
+                        tuning=self.tuning() if any(self.phases) else None,
                         compiled=self.compiled.summary() if self.compiled is not None else None)
         with open(self.path(), "w") as f:
-            json.dump(document, f)
+            json.dump(document, f, default=str)  # (tuning logs: numbers, names, lists)
         self.written = self.path()
         return self.written
 

@@ -34,7 +34,26 @@ def compiled_text(compiled: dict | None) -> list[str]:
     return lines
 
 
-def summary_text(timelines: list[list[dict]], compiled: dict | None = None) -> str:
+def tuning_text(tuning: dict | None) -> list[str]:
+    """Lines on the tuning phase (rank 0's Recorder.tuning()): its stretches and decisions."""
+    if not tuning or not tuning.get("phases"):
+        return []
+    from pyreducer.tuning import announce
+
+    starts = tuning["forward_start_ns"]
+    lines = ["tuning phase (rank 0; step = forward to next forward, ms; tuning.png):"]
+    for first, last, name in announce.spans(tuning["phases"]):
+        times = [(starts[i] - starts[i - 1]) / 1e6 for i in range(first, min(last + 1,
+                                                                              len(starts)))]
+        mean = f"{sum(times) / len(times):.1f}" if times else "-"
+        lines.append(f"  steps {first}-{last} ({last - first + 1}): {name or 'untuned'}, "
+                     f"mean step {mean}")
+    lines += ["  " + line for line in announce.decisions(tuning.get("logs", {}))]
+    return lines
+
+
+def summary_text(timelines: list[list[dict]], compiled: dict | None = None,
+                 tuning: dict | None = None) -> str:
     lines = ["overlap of bucket all-reduces with backward (mean over recorded iterations, ms)",
              f"{'rank':>4} {'iters':>5} {'buckets':>7} {'backward':>9} {'comm busy':>9} "
              f"{'hidden':>8} {'exposed':>8} {'overlap':>8} {'wait':>8} {'last-bucket bound':>17}"]
@@ -56,12 +75,13 @@ def summary_text(timelines: list[list[dict]], compiled: dict | None = None) -> s
                          f"read (mean ms per iteration): " +
                          ", ".join(f"{name} {ms:.2f}" for name, ms in list(waits.items())[:8]))
     lines += compiled_text(compiled)
+    lines += tuning_text(tuning)
     lines.append("definitions: pyreducer/timeline.py (and the README)")
     return "\n".join(lines)
 
 
 def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = None,
-                 compiled: dict | None = None) -> dict:
+                 compiled: dict | None = None, tuning: dict | None = None) -> dict:
     """Writes trace.json, timeline.json, gantt.png, overlap.png, summary.txt (and profile.json,
     rank 0's step profile for `python -m pyreducer simulate`, if given) into out_dir.
 
@@ -82,6 +102,8 @@ def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = No
         paths["gantt.png"] = plot.gantt(timelines, os.path.join(out_dir, "gantt.png"))
         paths["overlap.png"] = plot.exposed_vs_hidden(timelines,
                                                       os.path.join(out_dir, "overlap.png"))
+        if tuning and len(tuning["phases"]) >= 2:  # rank 0's tuning phase
+            paths["tuning.png"] = plot.tuning_phase(tuning, os.path.join(out_dir, "tuning.png"))
         if len(plot.overlapped_iterations(timelines[0])) >= 2:  # two iterations, rank 0
             paths["overlap_gantt.png"] = plot.overlap_gantt(
                 timelines[0], os.path.join(out_dir, "overlap_gantt.png"))
@@ -91,7 +113,7 @@ def write_report(timelines: list[list[dict]], out_dir, profile: dict | None = No
         paths["profile.json"] = os.path.join(out_dir, "profile.json")
         with open(paths["profile.json"], "w") as f:
             json.dump(profile, f)
-    text = summary_text(timelines, compiled)
+    text = summary_text(timelines, compiled, tuning)
     with open(paths["summary.txt"], "w") as f:
         f.write(text + "\n")
     return dict(paths=paths, summary=text, notes=notes)
@@ -147,4 +169,4 @@ def report_dir(out_dir, model: int = 0, keep: int | None = None) -> dict:
         raise InputError(f"{out_dir}: the rank files hold no recorded iteration (no synced "
                          f"backward ran, or timeline_iterations=0)")
     return write_report(timelines, out_dir, profile=ranks[0]["profile"],
-                        compiled=ranks[0].get("compiled"))
+                        compiled=ranks[0].get("compiled"), tuning=ranks[0].get("tuning"))

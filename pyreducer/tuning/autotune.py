@@ -15,7 +15,10 @@ AutotuneConfig's fields; `bucket_cap_mb=AutotuneConfig(...)` tunes with others):
   4. if the two fastest measured plans (the starting one included) are within `confirm_margin`
      of each other, both are measured `measure_iterations` more (a 4-step median moves by a
      few percent here) and compared on all their steps;
-  5. the fastest plan (after a close call, the faster of the two confirmed) is applied for good.
+  5. the fastest plan (after a close call, the faster of the two confirmed) is applied for good,
+     said in one line on rank 0 (announce.py), and remembered (memory.py): a later run with the
+     same parameters, world size, backend and link applies it after the probe and times one
+     window (`measure_iterations`) instead of 2-5; the search runs if that window is slow.
 Every decision is rank 0's, broadcast, so all ranks apply the same plans at the same forward.
 Plans only change which gradients share a bucket, never the arithmetic of a gradient, so the
 gradients are those of the untuned run (bit for bit with 2 ranks; with more, all-reduce
@@ -32,9 +35,20 @@ import time
 from dataclasses import dataclass
 
 from pyreducer import sync
-from pyreducer.tuning import planner, stepmodel
+from pyreducer.tuning import announce, memory, planner, stepmodel
 
 logger = logging.getLogger("pyreducer.autotune")
+
+PROBE_EVERY = 3  # synced forwards between the link probe's pieces
+
+# Note [Probe in pieces]
+# The link probe once ran whole at one forward: ~1.7 s at 1 Gbit/s (all-reduces up to 16 MiB, 5
+# times each, then the contention probe), a step 4-5 times as long as the bench models', which
+# put the 12-step window around it 30-40% above torch DDP's (issue 31). Now it is smaller (up to
+# 4 MiB, 3 times: control.PROBE_SIZES) and runs in pieces (one size, or one of the contention
+# probe's three measurements), one every PROBE_EVERY synced forwards, while the starting plan
+# (torch DDP's caps) is measured: its step times exclude the pieces (they run inside the tuner),
+# and no window holds more than a few of them.
 
 
 @dataclass(frozen=True)
@@ -49,16 +63,27 @@ class AutotuneConfig:
         candidates: how many of the distinct plans predicted best are measured.
         caps_mb: the caps (MiB) whose DDP-style plans compete with the planner's optimum.
         abandon_ratio: a candidate whose first 2 steps are both this much slower than the best
-            plan so far is dropped after those 2.
+            plan so far is dropped after those 2; after 1, if that one is slower by twice as
+            much (1.2x by default): a trial slower than torch DDP's step is what the tuning
+            phase must not show (issue 31).
+        prune_ratio: plans the step model predicts slower than this x the starting plan's
+            prediction are not measured (its errors were within 4% median, 20% at most).
         confirm_margin: the two fastest plans are measured `measure_iterations` more each when
             the second is within this fraction of the first.
+        cache: where decisions are remembered (pyreducer/tuning/memory.py): True for the default
+            file ($PYREDUCER_TUNING_CACHE, else ~/.cache/pyreducer/tuning.json), a path, or
+            False for none.
+        announce: say each decision in one line on rank 0 (pyreducer/tuning/announce.py).
     """
     warmup_iterations: int = 3
     measure_iterations: int = 4
     candidates: int = 4
     caps_mb: tuple[float, ...] = (0.5, 1, 2, 4, 16, 64)
-    abandon_ratio: float = 1.5
+    abandon_ratio: float = 1.10
     confirm_margin: float = 0.03
+    prune_ratio: float = 1.15
+    cache: bool | str = True
+    announce: bool = True
 
     def __post_init__(self):
         checks = [("warmup_iterations >= 1", self.warmup_iterations >= 1),
@@ -66,6 +91,7 @@ class AutotuneConfig:
                   ("candidates >= 1", self.candidates >= 1),
                   ("positive caps_mb", all(cap > 0 for cap in self.caps_mb)),
                   ("abandon_ratio > 1", self.abandon_ratio > 1),
+                  ("prune_ratio >= 1", self.prune_ratio >= 1),
                   ("confirm_margin >= 0", self.confirm_margin >= 0)]
         failed = [what for what, ok in checks if not ok]
         if failed:
@@ -75,22 +101,28 @@ class AutotuneConfig:
 class Phase(enum.Enum):
     WARMUP = "warmup"                    # DDP's schedule, nothing measured yet
     MEASURE_CURRENT = "measure_current"  # the starting plan
+    RECALL = "recall"                    # a remembered plan, confirmed in one window
     MEASURE = "measure"                  # one candidate after another
     CONFIRM = "confirm"                  # the two fastest again, after a close call
     DONE = "done"                        # the fastest plan applied for good
 
 
-MEASURED_PHASES = (Phase.MEASURE_CURRENT, Phase.MEASURE, Phase.CONFIRM)
+MEASURED_PHASES = (Phase.MEASURE_CURRENT, Phase.RECALL, Phase.MEASURE, Phase.CONFIRM)
 
 
 def enough_samples(samples: list[float], best_s: float, config: AutotuneConfig) -> bool:
     """`measure_iterations` step times of a candidate, or 2 that are both more than
-    `abandon_ratio` x the best plan measured so far: a bad candidate (a latency misjudged by the
-    link probe can make the planner choose hundreds of buckets) then costs two slow steps.
-    Samples are the slowest rank's, the same on every rank, so all ranks decide alike."""
+    `abandon_ratio` x the best plan measured so far, or 1 more than twice as far above it: a bad
+    candidate (a latency misjudged by the link probe can make the planner choose hundreds of
+    buckets) then costs one or two slow steps. Samples are the slowest rank's, the same on every
+    rank, so all ranks decide alike."""
     if len(samples) >= config.measure_iterations:
         return True
-    return len(samples) >= 2 and min(samples[:2]) > config.abandon_ratio * best_s
+    if not samples:
+        return False
+    if len(samples) == 1:
+        return samples[0] > (2 * config.abandon_ratio - 1) * best_s
+    return min(samples[:2]) > config.abandon_ratio * best_s
 
 
 def close_call(measured: list[tuple[str, list[list[int]], float]],
@@ -133,6 +165,12 @@ class AutoTuner:
         self.finalists: list[str] = []  # after a close call: the two plans the choice is between
         self.log: list[dict] = []
         self.link = None
+        self.predicted_ms: dict[str, float] = {}  # the step model's, by plan name
+        self.start_plan = None  # torch DDP's caps' plan, the one tuning starts from
+        self.recalled: dict | None = None  # the remembered entry in force (memory.py)
+        self.memory_key: str | None = None  # this wrapper's cache key, once probed
+        self.probing = None  # the link probe in progress (a generator: control.probe_steps)
+        self.probe_wait = 0  # synced forwards until its next piece
 
     @property
     def done(self) -> bool:
@@ -142,6 +180,15 @@ class AutoTuner:
     @property
     def group(self):
         return self.tuning.params.process_group
+
+    @property
+    def phase_name(self) -> str:
+        """What autotune does at the coming steps, in words ("buckets: measure cap 1 MB")."""
+        if self.phase is Phase.MEASURE and self.candidates:
+            return f"buckets: measure {self.candidates[0][0]}"
+        if self.phase is Phase.CONFIRM and self.confirming:
+            return f"buckets: confirm {self.confirming[0][0]}"
+        return "decided" if self.phase is Phase.DONE else f"buckets: {self.phase.value}"
 
     def _note(self, event: str, **fields) -> None:
         entry = dict(event=event, iteration=self.synced, **fields)
@@ -173,15 +220,14 @@ class AutoTuner:
             if self.tuning.params.world_size < 2:
                 self._keep_current("one rank: no communication to tune")
                 return
-            try:
-                self.link = self.tuning.probe()
-            except ValueError as error:  # e.g. times that do not grow with size; every rank
-                self._keep_current(f"link probe unusable: {error}")  # sees the slowest's
-                return
-            self._note("link", latency_us=self.link.latency_s * 1e6,
-                       bandwidth_gbit=self.link.bandwidth_bytes_per_s * 8 / 1e9,
-                       contention=self.link.contention)  # latency: under load on CPU
+            self.start_plan = self.tuning.current_plan()
             self.phase, self.samples = Phase.MEASURE_CURRENT, []
+            self.probing, self.probe_wait = self.tuning.probe_steps(), 0
+            self._probe_piece()
+        elif self.phase is Phase.MEASURE_CURRENT and self.probing is not None:
+            self._probe_piece()
+        elif self.phase is Phase.RECALL and len(self.samples) >= config.measure_iterations:
+            self._confirm_recalled()
         elif self.phase is Phase.MEASURE_CURRENT and len(self.samples) >= config.measure_iterations:
             self._record("start", self.tuning.current_plan())
             self.candidates = self._plan()
@@ -200,6 +246,74 @@ class AutoTuner:
             self._note("confirmed", plan=name, step_ms=statistics.median(pooled) * 1e3,
                        steps=len(pooled))
             self._next_candidate()
+
+    def _probe_piece(self) -> None:
+        """One piece of the link probe every PROBE_EVERY synced forwards (Note [Probe in
+        pieces]); after the last, the link is noted and the tuning cache consulted."""
+        self.probe_wait -= 1
+        if self.probe_wait > 0:
+            return
+        self.probe_wait = PROBE_EVERY
+        try:
+            next(self.probing)
+            return
+        except StopIteration as stop:
+            self.link, self.probing = stop.value, None
+        except ValueError as error:  # e.g. times that do not grow with size; every rank sees
+            self.probing = None        # the slowest's
+            self._keep_current(f"link probe unusable: {error}")
+            return
+        self._note("link", latency_us=self.link.latency_s * 1e6,
+                   bandwidth_gbit=self.link.bandwidth_bytes_per_s * 8 / 1e9,
+                   contention=self.link.contention)  # latency: under load on CPU
+        self._recall()
+
+    @property
+    def cache_path(self) -> str | None:
+        return memory.cache_path(self.config.cache)
+
+    def _recall(self) -> None:
+        """After the probe: rank 0 looks the run up in the cache (memory.py) and broadcasts what
+        it found; a remembered plan is applied and timed for one window (Phase.RECALL)."""
+        params = self.tuning.params
+        import torch.distributed as dist
+
+        hook = "/hook" if self.tuning.reducer.has_comm_hook() else ""
+        self.memory_key = memory.model_key(params, dist.get_backend(self.group), hook)
+        entry = None
+        if params.rank == 0 and self.cache_path is not None:
+            try:
+                entry = memory.recall(self.cache_path, self.memory_key, self.link,
+                                      len(params.names))
+            except Exception:  # noqa: BLE001 - the others wait in the broadcast
+                logger.exception("tuning cache not read")
+        entry = sync.from_rank0(entry, self.group, params.device)
+        if entry is None:
+            return
+        self.recalled = entry
+        self.tuning.apply_bucket_plan(entry["plan"])
+        self.skip_next = self.recompiles()
+        self.phase, self.samples = Phase.RECALL, []
+        self._note("recalled", buckets=len(entry["plan"]), remembered_ms=entry["step_ms"])
+
+    def _confirm_recalled(self) -> None:
+        """After the remembered plan's window: kept if within memory.RECALL_TOLERANCE of its
+        remembered step time, else the search runs from torch DDP's caps."""
+        measured_ms = statistics.median(self.samples) * 1e3
+        remembered_ms = self.recalled["step_ms"]
+        if measured_ms <= (1 + memory.RECALL_TOLERANCE) * remembered_ms:
+            self.phase = Phase.DONE
+            self._note("chosen", plan="remembered", step_ms=measured_ms,
+                       buckets=len(self.recalled["plan"]), remembered_ms=remembered_ms)
+            if self.config.announce:
+                announce.say(self.tuning.params, announce.recalled_plan(
+                    self.recalled, measured_ms, self.synced, self.cache_path))
+            return
+        self._note("recall rejected", step_ms=measured_ms, remembered_ms=remembered_ms)
+        self.recalled = None
+        self.tuning.apply_bucket_plan(self.start_plan)
+        self.skip_next = self.recompiles()
+        self.phase, self.samples = Phase.MEASURE_CURRENT, []
 
     def _keep_current(self, why: str) -> None:
         """Ends tuning with the plan in force (the same decision on every rank)."""
@@ -228,12 +342,18 @@ class AutoTuner:
             scored = sorted(((name, plan, stepmodel.predict_step_ms(profile, plan, self.link,
                                                                      ranks))
                              for name, plan in options), key=lambda o: o[2])
+            start_ms = stepmodel.predict_step_ms(profile, self.tuning.current_plan(), self.link,
+                                                 ranks)
             candidates = []
             for name, plan, predicted in scored:
-                if all(plan != other for _, other, _ in candidates):
+                if all(plan != other for _, other, _ in candidates) and \
+                        predicted <= self.config.prune_ratio * start_ms:
                     candidates.append((name, plan, predicted))
             candidates = candidates[:self.config.candidates]
+            candidates = [("start", [], start_ms)] + candidates  # its prediction only
         candidates = sync.from_rank0(candidates, self.group, self.tuning.params.device)
+        self.predicted_ms = {name: predicted for name, _, predicted in candidates}
+        candidates = candidates[1:]
         for name, plan, predicted in candidates:
             self._note("candidate", plan=name, buckets=len(plan), predicted_ms=predicted)
         return [(name, plan) for name, plan, _ in candidates]
@@ -257,3 +377,12 @@ class AutoTuner:
         self.tuning.apply_bucket_plan(plan)
         self.phase = Phase.DONE
         self._note("chosen", plan=name, step_ms=seconds * 1e3, buckets=len(plan))
+        start_ms = statistics.median(self.samples_of["start"]) * 1e3
+        if self.config.announce:
+            announce.say(self.tuning.params, announce.chosen_plan(
+                name, len(plan), self.synced, seconds * 1e3, start_ms, self.predicted_ms))
+        if self.tuning.params.rank == 0:
+            memory.remember(self.cache_path, self.memory_key, plan=plan, step_ms=seconds * 1e3,
+                            link=dict(latency_s=self.link.latency_s,
+                                      bandwidth_bytes_per_s=self.link.bandwidth_bytes_per_s),
+                            name=name, decided_after_steps=self.synced)

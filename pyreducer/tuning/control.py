@@ -7,7 +7,14 @@ import warnings
 from pyreducer import bucketing, sync
 from pyreducer import timeline as timeline_module
 from pyreducer.tuning import planner, stepmodel
-from pyreducer.tuning.linkmodel import LinkModel, probe_contention, probe_link
+from pyreducer.tuning.linkmodel import (LinkModel, probe_contention_steps, probe_link_steps,
+                                        run_steps)
+
+# The probe's all-reduce sizes and repetitions: 16 MiB, and 5 repetitions, cost ~1.7 s at
+# 1 Gbit/s in one step (+35% on a 12-step window of the bench models, issue 31); up to 4 MiB
+# the bandwidth term already dominates at 1-10 Gbit/s (34 ms against ~1 ms of latency at 1).
+PROBE_SIZES = (1 << 12, 1 << 18, 1 << 20, 1 << 22)
+PROBE_REPS = 3
 
 
 class BucketTuning:
@@ -55,10 +62,17 @@ class BucketTuning:
         CPU parameters, the compute a running all-reduce takes and its latency beside compute
         (probe_contention). On GPU the collectives run beside the compute kernels: left as
         probed."""
+        return run_steps(self.probe_steps())
+
+    def probe_steps(self):
+        """probe() in pieces: a generator that runs one piece (about 0.05-0.25 s at 1 Gbit/s)
+        per next(), collectively, and returns the LinkModel; autotune runs a piece every few
+        steps instead of the whole probe in one (Note [Probe in pieces] in autotune.py)."""
         device = self.params.device  # NCCL groups take only CUDA tensors
-        link, _ = probe_link(self.params.process_group, device=device)
+        group = self.params.process_group
+        link, _ = yield from probe_link_steps(group, PROBE_SIZES, PROBE_REPS, device)
         if device.type == "cpu":
-            link = probe_contention(link, self.params.process_group)
+            link = yield from probe_contention_steps(link, group)
         return link
 
     def plan_buckets(self, link=None, forward_ms: float = 0.0, optimizer_ms: float = 0.0) -> dict:

@@ -68,12 +68,29 @@ def fit_link_model(sizes_bytes, seconds, ranks: int) -> LinkModel:
     return LinkModel(max(0.0, float(latency)), float(1.0 / inverse_bandwidth))
 
 
+def run_steps(steps):
+    """Runs a probe generator (probe_link_steps, probe_contention_steps) to its end; returns
+    what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
 def probe_link(group=None, sizes_bytes=(1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 << 24),
                reps: int = 5, device="cpu") -> tuple[LinkModel, dict]:
     """Times all-reduces of a few sizes on `group` (collective) and fits the link model.
 
     Returns (model, {size: median seconds}); times are the slowest rank's.
     """
+    return run_steps(probe_link_steps(group, sizes_bytes, reps, device))
+
+
+def probe_link_steps(group=None, sizes_bytes=(1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 << 24),
+                     reps: int = 5, device="cpu"):
+    """probe_link as a generator that yields after each size: the pieces may run at separate
+    training steps (every rank alike); returns (model, {size: median seconds})."""
     import torch
     import torch.distributed as dist
 
@@ -90,13 +107,21 @@ def probe_link(group=None, sizes_bytes=(1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 <<
             wait_for_device(device)  # on CUDA the call returns at enqueue
             samples.append(slowest(time.perf_counter() - start, group, device))
         medians[size] = statistics.median(samples)
+        yield size
     return fit_link_model(list(medians), list(medians.values()), ranks), medians
 
 
 def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float = 0.02,
                      small_ops: int = 16) -> LinkModel:
     """`link` as it behaves beside compute on this host (collective; CPU tensors): returns it
-    with `contention` and a `latency_s` measured under load.
+    with `contention` and a `latency_s` measured under load; see probe_contention_steps."""
+    return run_steps(probe_contention_steps(link, group, reps, work_s, small_ops))
+
+
+def probe_contention_steps(link: LinkModel, group=None, reps: int = 3, work_s: float = 0.02,
+                           small_ops: int = 16):
+    """probe_contention as a generator that yields between its three measurements (contention,
+    latency under load, queue); returns the LinkModel.
 
     contention: a fixed compute kernel (matrix products, ~work_s) is timed alone, then while an
     all-reduce big enough to outlast it runs; contention = 1 - alone / with, clamped to [0, 0.9].
@@ -137,9 +162,10 @@ def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float =
         work.wait()
         loaded.append(slowest(elapsed, group))
     contention = min(0.9, max(0.0, 1.0 - statistics.median(alone) / statistics.median(loaded)))
-
+    yield "contention"
     latency = max(link.latency_s,
                   _probe_loaded_latency(lambda: kernel(per_ms), group, reps, small_ops))
+    yield "latency under load"
     queue = _probe_queue(data, torch.ones(1024), link, group, reps)
     return dataclasses.replace(link, contention=float(contention), latency_s=float(latency),
                                queue_s=float(queue))

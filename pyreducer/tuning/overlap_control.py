@@ -41,6 +41,7 @@ from pyreducer import timeline as timeline_module
 from pyreducer.tuning import contention
 from pyreducer.tuning import schedule as schedule_model
 from pyreducer.tuning import stepclock
+from pyreducer.tuning.overlap_recall import ScheduleRecall
 
 logger = logging.getLogger("pyreducer.overlap")
 
@@ -101,7 +102,7 @@ def choose(candidates: list[dict]) -> int:
     return best
 
 
-class ScheduleTuner:
+class ScheduleTuner(ScheduleRecall):
     """schedule="auto" (or a fixed chunk size) of one OverlapOptimizer."""
 
     def __init__(self, tuning, events, autotune=None, settle=None, set_barrier=None,
@@ -129,6 +130,8 @@ class ScheduleTuner:
         self.held_from = None   # ... and its first held backward's iteration
         self.held_profiled = None  # the schedule the records before it were made under
         self.loaded: list[dict] = []  # rank 0: those records (_last_full_bucket)
+        self.recalling = False  # timing a schedule remembered by the tuning cache (memory.py)
+        self.recall_rejected_for = None  # the plan version whose remembered schedule was slow
 
     @property
     def reducer(self):
@@ -143,6 +146,16 @@ class ScheduleTuner:
             return True
         return (self.autotune is None or self.autotune.done) and self.trial is None \
             and not self.held_left and self.planned_for == self.reducer.plan_version()
+
+    @property
+    def phase_name(self) -> str:
+        """What the schedule tuner does at the coming steps, in words."""
+        if self.decided:
+            return "decided"
+        if self.trial is not None:
+            what = "run-off" if self.runoff is not None else "trial"
+            return f"schedule: {what} {self.candidates[self.trial]['describe']}"
+        return "schedule: held" if self.held_left else "schedule: warmup"
 
     def before_synced_forward(self) -> None:
         """Called at the start of the first synced forward after each synced backward (and of
@@ -171,10 +184,12 @@ class ScheduleTuner:
             self.since_change += 1
             if plan == self.planned_for or self.since_change <= self.warmup:
                 return
-            if self._hold(plan):
+            if self._recall(plan) or self._hold(plan):
                 return
         self.planned_for = plan
-        if self.link is None:
+        if self.link is None and self.autotune is not None and self.autotune.link is not None:
+            self.link = self.autotune.link  # probed by bucket autotune: the same group and link
+        if self.link is None:  # (a second probe, ~1.7 s at 1 Gbit/s, was a slow stretch)
             if self.settle is not None:
                 self.settle()
             self.link = self.tuning.probe()  # collective: every rank is here at this forward
@@ -278,7 +293,9 @@ class ScheduleTuner:
         every = sync.all_gather_object(mine, params.process_group, params.device)
         windows = [slowest_windows([ranks[k] for ranks in every])
                    for k in range(len(self.candidates))]
-        if self.runoff is None:
+        if self.recalling:
+            self._decide_recall(windows)
+        elif self.runoff is None:
             self._decide_rounds(windows, every)
         else:
             self._decide_runoff(windows)
@@ -299,6 +316,7 @@ class ScheduleTuner:
         if not barrier or best == barrier[0] or not RUNOFF_WINDOWS:
             chosen = self.candidates[best]
             self._install(chosen, "chosen", measured_ms=chosen["measured_ms"])
+            self._announce(chosen, self.candidates)
             return
         self.runoff = (best, barrier[0])
         self.samples = [[] for _ in self.candidates]
@@ -321,6 +339,7 @@ class ScheduleTuner:
         pick = choose(fresh)
         self._install(self.candidates[(best, barrier)[pick]], "chosen",
                       measured_ms=fresh[pick]["measured_ms"])
+        self._announce(fresh[pick], fresh)
 
     def _plan_or_none(self) -> dict | None:
         """_plan(), or None if it fails: the other ranks are waiting in the broadcast."""

@@ -2,6 +2,7 @@
 two-rank timeline; without matplotlib everything but the plots, and a note saying how to get
 them; the rank files PYREDUCER_TRACE writes are merged with their clock offsets."""
 import json
+import os
 import sys
 
 import pytest
@@ -122,3 +123,24 @@ def test_overlap_stats_skip_a_bucket_whose_completion_was_not_recorded():
     assert math.isnan(stats["comm_ms"][0]) and stats["comm_ms"][1] == complete["comm_ms"][1]
     assert 0 < stats["comm_busy_ms"] < complete["comm_busy_ms"]
     assert stats["last_bucket_bound_ms"] == complete["last_bucket_bound_ms"]
+
+
+def test_tuning_phase_is_drawn_and_told(tmp_path):
+    """A Recorder's `tuning` (observe/recorder.py): step times per phase, and the decisions."""
+    phases = ["buckets: warmup"] * 3 + ["buckets: measure_current"] * 4 + \
+        ["schedule: held"] * 2 + ["decided"] * 3
+    starts = [i * 100_000_000 for i in range(len(phases))]  # 100 ms steps ...
+    starts[5] += 50_000_000  # ... but step 5 150 ms, step 6 50 ms
+    logs = dict(buckets=[dict(event="chosen", iteration=7, plan="cap 1 MB", step_ms=99.5,
+                              buckets=3)],
+                schedule=[dict(event="chosen", describe="chunks of 1 MB", measured_ms=90.25,
+                               predicted_ms=88.0)])
+    result = report.write_report([[_record(0)]], tmp_path,
+                                 tuning=dict(forward_start_ns=starts, phases=phases, logs=logs))
+    assert os.path.getsize(result["paths"]["tuning.png"]) > 0
+    text = result["summary"]
+    assert "steps 1-3 (3): buckets: warmup, mean step 100.0" in text
+    assert "steps 4-7 (4): buckets: measure_current, mean step 100.0" in text
+    assert "steps 10-12 (3): decided, mean step 100.0" in text  # (the last has no next start)
+    assert "bucket autotune, step 7: chosen plan cap 1 MB, step_ms 99.5, buckets 3" in text
+    assert "overlap schedule: chosen chunks of 1 MB, measured_ms 90.2, predicted_ms 88.0" in text

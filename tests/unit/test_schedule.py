@@ -244,6 +244,8 @@ def test_a_trial_window_counts_as_its_slowest_rank():
 
 
 class _FakeReducer:
+    num_iterations = 0
+
     def __init__(self):
         self.installed = []
 

@@ -325,6 +325,8 @@ void bind_reducer(py::module_& m) {
            py::arg("process_group"), py::arg("reduce_dtype"), py::arg("pre_multiplier"),
            py::arg("post"), py::arg("post_value"), py::arg("name"),
            "See AveragingHook in csrc/comm_hook.h.")
+      .def("set_sparse_backend", &Reducer::set_sparse_backend, py::arg("backend"), RELEASE,
+           "See Note [Sparse gradients beside Gloo's race] in csrc/reducer.h.")
       .def("set_static_graph", &Reducer::set_static_graph, py::arg("rebuild"), RELEASE)
       .def("set_deferred_completion", &set_deferred_completion, py::arg("deferred"),
            py::arg("on_deferred") = py::none(),

@@ -11,7 +11,12 @@
 
 namespace pyreducer {
 
-WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
+namespace {
+
+// The SUM all-reduce of `flat` on `group` (a ProcessGroup or a Backend), with allreduce_sum_async's
+// completion time and profiler range.
+template <typename Group>
+WorkPtr allreduce_sum_timed(const Group& group, at::Tensor& flat,
                             std::shared_ptr<std::atomic<int64_t>> done_ns,
                             const std::function<std::string()>& label) {
   c10::intrusive_ptr<torch::autograd::profiler::PythonRecordFunction> range;
@@ -42,6 +47,20 @@ WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
     if (range) torch::autograd::profiler::_call_end_callbacks_on_fut_new(range, future);
   }
   return work;
+}
+
+}  // namespace
+
+WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
+                            std::shared_ptr<std::atomic<int64_t>> done_ns,
+                            const std::function<std::string()>& label) {
+  return allreduce_sum_timed(group, flat, std::move(done_ns), label);
+}
+
+WorkPtr allreduce_sum_async(const BackendPtr& backend, at::Tensor& flat,
+                            std::shared_ptr<std::atomic<int64_t>> done_ns,
+                            const std::function<std::string()>& label) {
+  return allreduce_sum_timed(backend, flat, std::move(done_ns), label);
 }
 
 void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values, int64_t root,

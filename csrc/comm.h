@@ -9,12 +9,14 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace pyreducer {
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
 
 // A collective that failed or timed out (wait_or_throw): a peer died, froze or diverged.
 struct CollectiveError : std::runtime_error {
@@ -31,6 +33,12 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 // a torch profiler is active, a range named `label` spans launch to completion (`label` is only
 // built then).
 WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
+                            std::shared_ptr<std::atomic<int64_t>> done_ns = nullptr,
+                            const std::function<std::string()>& label = {});
+
+// The same on one backend of a group's ranks (a sparse gradient's, see Note [Sparse gradients
+// beside Gloo's race] in reducer.h).
+WorkPtr allreduce_sum_async(const BackendPtr& backend, at::Tensor& flat,
                             std::shared_ptr<std::atomic<int64_t>> done_ns = nullptr,
                             const std::function<std::string()>& label = {});
 

@@ -35,6 +35,16 @@
 // gradient must be defined in every synced backward (torch raises too); gradient_as_bucket_view
 // and batched_grad_copy leave it alone.
 //
+// Note [Sparse gradients beside Gloo's race]
+// torch 2.8 onwards: ProcessGroupGloo's worker threads (2 by default) each assign the group's
+// status string lastCompletedWorkName, unlocked, after every collective; a sparse all-reduce's
+// name ("_ALLREDUCE_SPARSE", 17 characters) is longer than libstdc++'s inline buffer, so two
+// threads finishing at once can free one heap buffer twice (heap corruption, crashes; a plain
+// torch reproducer: tests/upstream/gloo_sparse_race.py). pyreducer therefore all-reduces sparse
+// buckets on a Gloo backend of the same ranks with ONE worker thread (pyreducer/gloo_race.py):
+// its string is only ever written by that thread, and the group's own threads only ever write
+// short names. Dense buckets, and overlap, are as before; the sums are the same.
+//
 // Note [Deferred completion]
 // With deferred completion on (an overlapped optimizer, pyreducer/overlap.py), finalize_backward
 // checks and launches as usual but does not wait: the buckets' reductions stay in flight past
@@ -160,6 +170,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Installs a communication hook (see Note [Communication hooks]). Only before the first synced
   // iteration, and once. Python thread.
   void register_comm_hook(std::shared_ptr<CommHook> hook);
+
+  // Sparse buckets are all-reduced on `backend` (over the group's ranks, in its rank order)
+  // instead of the group; null: on the group. See Note [Sparse gradients beside Gloo's race].
+  // Between iterations, the same on every rank. Python thread.
+  void set_sparse_backend(BackendPtr backend);
 
   // For a rank that has joined (join.py: out of data while others train): issues exactly the
   // collectives of one synced backward of the training ranks, with zeroed buckets (this rank
@@ -333,6 +348,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<std::string> param_names_;
   BucketSet set_;
   ProcessGroupPtr group_;
+  BackendPtr sparse_backend_;  // null: sparse buckets on group_ (Note [Sparse gradients beside ...])
   ReducerOptions options_;
   int64_t world_size_ = 1;
   std::vector<uint8_t> sparse_;  // per parameter; see Note [Sparse gradients]

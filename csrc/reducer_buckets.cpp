@@ -179,10 +179,13 @@ void Reducer::launch_chunk(size_t b) {
       const int64_t end = n * static_cast<int64_t>(chunk + 1) / static_cast<int64_t>(chunks);
       flat = bucket.flat.narrow(0, begin, end - begin);
     }
-    bucket.works.push_back(allreduce_sum_async(group_, flat, done, [b, chunk, chunks] {
+    auto label = [b, chunk, chunks] {
       return "pyreducer.allreduce.bucket_" + std::to_string(b) +
              (chunks > 1 ? ".chunk_" + std::to_string(chunk) : std::string());
-    }));
+    };
+    bucket.works.push_back(bucket.sparse && sparse_backend_
+                               ? allreduce_sum_async(sparse_backend_, flat, done, label)
+                               : allreduce_sum_async(group_, flat, done, label));
     if (device && last) {  // one stream: the last chunk's completion follows the others'
       try {
         device->bucket_done(record_->slot, b, bucket.works.back()->getFuture());

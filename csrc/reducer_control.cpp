@@ -115,6 +115,11 @@ void Reducer::divide_next_backward_by(int64_t ranks) {
   next_divisor_ = ranks;
 }
 
+void Reducer::set_sparse_backend(BackendPtr backend) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sparse_backend_ = std::move(backend);
+}
+
 void Reducer::register_comm_hook(std::shared_ptr<CommHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (comm_hook_) {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+from pyreducer import gloo_race
 from pyreducer._ext import _C
 
 MIB = 1024 * 1024
@@ -176,4 +177,6 @@ def build_reducer(params, process_group, caps_bytes: list[int], plan, caps_per_b
         plan = initial_plan(params.sizes_bytes, params.group_keys, caps_bytes,
                             one_bucket=options.rebuild_buckets and not caps_per_bucket,
                             sparse=params.sparse)
-    return _C.Reducer(list(params.tensors), list(params.names), plan, process_group, options)
+    reducer = _C.Reducer(list(params.tensors), list(params.names), plan, process_group, options)
+    gloo_race.guard_sparse(reducer, params, process_group)  # (collective the first time per group)
+    return reducer

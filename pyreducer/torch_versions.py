@@ -14,6 +14,8 @@ follows the installed torch's DDP (see README "Supported torch versions"):
 """
 import inspect
 
+import torch
+
 from torch.nn.parallel import distributed as _ddp_module
 from torch.nn.parallel.distributed import DistributedDataParallel as _TorchDDP
 
@@ -44,3 +46,10 @@ def version_tuple(version: str) -> tuple[int, int]:
     """(major, minor) of a torch version string such as '2.11.0+cu130'."""
     major, minor = version.split("+")[0].split(".")[:2]
     return int(major), int(minor)
+
+
+# torch 2.8 onwards (up to 2.15 at least, the newest checked): ProcessGroupGloo's worker threads
+# write the group's status string unlocked, so a sparse all-reduce beside another collective can
+# corrupt the heap (pyreducer/gloo_race.py; tests/upstream/gloo_sparse_race.py reproduces it).
+# pyreducer supports 2.11 onwards: every supported torch has it. Lift by version once fixed.
+GLOO_STATUS_RACE = version_tuple(torch.__version__) >= (2, 8)

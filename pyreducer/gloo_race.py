@@ -1,0 +1,85 @@
+"""Sparse gradients on Gloo, kept away from torch's race (Note [Sparse gradients beside Gloo's
+race] in csrc/reducer.h).
+
+torch 2.8 onwards, ProcessGroupGloo::runLoop assigns the group's status string
+(lastCompletedWorkName) after every collective from each worker thread, unlocked; a sparse
+all-reduce's name is too long for libstdc++'s inline buffer, so two threads finishing at once
+can free its heap buffer twice (heap corruption; torch DDP is exposed alike). The plain-torch
+reproducer is tests/upstream/gloo_sparse_race.py (about 1 crash in 50 3-rank runs of the sparse
+parity scenarios before this guard, and in seconds in the reproducer's own loop).
+
+The guard: a wrapper whose parameters produce sparse gradients, on a Gloo group, all-reduces
+its sparse buckets on a second Gloo backend over the same ranks with ONE worker thread, built
+on the group's own store under a prefix of its own: only that thread ever writes its string.
+Dense buckets stay on the group (their names are short: no heap buffer to free twice). The sums
+are the group's (the same Gloo algorithm over the same ranks in the same order). Cost: one
+rendezvous when the first such wrapper on a group is built (collective over the group's ranks,
+like the wrapper's construction), one thread and one set of connections per group, and sparse
+buckets that no longer run two at a time (one worker). Left exposed: a communication hook's
+own all-reduces (the hook runs them on the group) and the user's own sparse collectives.
+
+GLOO_STATUS_RACE (pyreducer/torch_versions.py) says which torch versions need it; lift it by
+version once torch fixes the race (the reproducer tells).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pyreducer import torch_versions
+
+_backends: dict = {}  # id(group) -> (group, one-thread backend): one per group and process
+_made: dict = {}  # group name -> backends made for groups of that name in this process
+
+
+def guard_sparse(reducer, params, group) -> bool:
+    """Gives `reducer` the one-thread sparse backend of `group` if it needs one (sparse
+    parameters, a Gloo group, a torch with the race); returns whether it did."""
+    if not any(params.sparse) or not torch_versions.GLOO_STATUS_RACE or \
+            dist.get_world_size(group) < 2 or dist.get_backend(group) != "gloo":
+        return False
+    reducer.set_sparse_backend(sparse_backend(group))
+    return True
+
+
+def sparse_backend(group):
+    """The one-thread Gloo backend over `group`'s ranks (made once per group and process;
+    collective the first time: every rank of the group, in the same order)."""
+    group = group if group is not None else dist.group.WORLD
+    for key in [k for k, (g, _) in _backends.items() if not _alive(g)]:
+        del _backends[key]  # the group was destroyed (destroy_process_group): let it go
+    found = _backends.get(id(group))
+    if found is not None and found[0] is group:
+        return found[1]
+    options = dist.ProcessGroupGloo._Options()
+    options._threads = 1
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    options._timeout = _timeout(group)
+    # a prefix no earlier backend of this process used: a re-created group of the same name
+    # may rendezvous on the same store (every rank makes the same backends in the same order)
+    made = _made.get(group.group_name, 0)
+    _made[group.group_name] = made + 1
+    store = dist.PrefixStore(f"pyreducer/sparse/{group.group_name}/{made}/", _store(group))
+    backend = dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group),
+                                    options)
+    _backends[id(group)] = (group, backend)
+    return backend
+
+
+def _alive(group) -> bool:
+    return group in dist.distributed_c10d._world.pg_map
+
+
+def _store(group):
+    """The store the group's ranks rendezvoused on (torch keeps it with the group)."""
+    return dist.distributed_c10d._world.pg_map[group][1]
+
+
+def _timeout(group) -> timedelta:
+    """The group's own timeout (Gloo's options), else torch's default for Gloo."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return timedelta(minutes=30)

@@ -1,0 +1,49 @@
+"""torch's Gloo race (pyreducer/gloo_race.py): sparse buckets run on a one-thread Gloo backend of
+the same ranks, and give torch DDP's results; the CI's short version of
+benchmarks/sparse_race_soak.py (whose 300-run record is in benchmarks/results/)."""
+import sys
+
+from pyreducer import torch_versions
+
+sys.path.insert(0, "benchmarks")
+import sparse_race_soak as soak  # noqa: E402
+
+RUNS = 3
+
+
+def guard_worker(rank, world_size):
+    from torch import nn
+
+    from pyreducer import DistributedDataParallel, gloo_race
+    from pyreducer.testing.parity import SparseEmbeddings
+
+    DistributedDataParallel(nn.Linear(4, 4))
+    made_for_dense = len(gloo_race._backends)
+    DistributedDataParallel(SparseEmbeddings())
+    DistributedDataParallel(SparseEmbeddings())  # the second wrapper on the group shares it
+    [(_, backend)] = gloo_race._backends.values()
+    return dict(made_for_dense=made_for_dense, threads=backend.options._threads,
+                size=backend.size(), rank=backend.rank())
+
+
+def test_sparse_buckets_get_a_one_thread_backend_dense_ones_none():
+    from pyreducer.testing import run_ranks
+
+    assert torch_versions.GLOO_STATUS_RACE  # every supported torch (2.11-2.14) has the race
+    for rank, r in enumerate(run_ranks(guard_worker, 3, timeout_s=120)):
+        assert r["made_for_dense"] == 0
+        assert (r["threads"], r["size"], r["rank"]) == (1, 3, rank)
+
+
+def test_sparse_scenarios_repeated_match_torch_ddp_without_crashing():
+    reference, error = soak.run(soak.NAMES, "torch", 3)
+    if error is not None:  # torch DDP is exposed to the race itself: once more
+        reference, error = soak.run(soak.NAMES, "torch", 3)
+    assert error is None, error
+    for k in range(RUNS):
+        results, error = soak.run(soak.NAMES, "ours", 3)
+        assert error is None, f"run {k}: {error}"
+        for rank, (mine, theirs) in enumerate(zip(results, reference)):
+            assert mine["one_thread_backends"] == 1
+            for name in soak.NAMES:
+                assert soak.same(mine[name], theirs[name]), (k, rank, name)

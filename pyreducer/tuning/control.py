@@ -10,11 +10,15 @@ from pyreducer.tuning import planner, stepmodel
 from pyreducer.tuning.linkmodel import (LinkModel, probe_contention_steps, probe_link_steps,
                                         run_steps)
 
-# The probe's all-reduce sizes and repetitions: 16 MiB, and 5 repetitions, cost ~1.7 s at
-# 1 Gbit/s in one step (+35% on a 12-step window of the bench models, issue 31); up to 4 MiB
-# the bandwidth term already dominates at 1-10 Gbit/s (34 ms against ~1 ms of latency at 1).
-PROBE_SIZES = (1 << 12, 1 << 18, 1 << 20, 1 << 22)
-PROBE_REPS = 3
+# The probe's all-reduce sizes and repetitions. probe_link's own (5 of each up to 16 MiB, each
+# warmed up) and the contention probe took ~1.7 s at 1 Gbit/s in one step, +35% on a 12-step
+# window of the bench models (issue 31). Up to 4 MiB only, the fitted bandwidth was 1.6 Gbit/s
+# on the emulated 1 Gbit/s link (tc's burst), so 16 MiB stays, once; the pieces (PIECE_BYTES
+# moved, or one contention sample) cost up to ~0.15 s each there.
+PROBE_SIZES = (1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+PROBE_REPS = {1 << 12: 3, 1 << 18: 3, 1 << 20: 2, 1 << 22: 2, 1 << 24: 1}
+PIECE_BYTES = 8 << 20
+CONTENTION_REPS = 2
 
 
 class BucketTuning:
@@ -70,9 +74,10 @@ class BucketTuning:
         steps instead of the whole probe in one (Note [Probe in pieces] in autotune.py)."""
         device = self.params.device  # NCCL groups take only CUDA tensors
         group = self.params.process_group
-        link, _ = yield from probe_link_steps(group, PROBE_SIZES, PROBE_REPS, device)
+        link, _ = yield from probe_link_steps(group, PROBE_SIZES, PROBE_REPS, device,
+                                              warm_each=False, piece_bytes=PIECE_BYTES)
         if device.type == "cpu":
-            link = yield from probe_contention_steps(link, group)
+            link = yield from probe_contention_steps(link, group, reps=CONTENTION_REPS)
         return link
 
     def plan_buckets(self, link=None, forward_ms: float = 0.0, optimizer_ms: float = 0.0) -> dict:

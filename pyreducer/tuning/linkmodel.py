@@ -88,26 +88,34 @@ def probe_link(group=None, sizes_bytes=(1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 <<
 
 
 def probe_link_steps(group=None, sizes_bytes=(1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 << 24),
-                     reps: int = 5, device="cpu"):
-    """probe_link as a generator that yields after each size: the pieces may run at separate
-    training steps (every rank alike); returns (model, {size: median seconds})."""
+                     reps=5, device="cpu", warm_each: bool = True, piece_bytes: int = 0):
+    """probe_link as a generator that yields after each size, or once the sizes since the last
+    yield moved `piece_bytes` (all-reduced bytes times repetitions): the pieces may run at
+    separate training steps (every rank alike). `reps`: an int, or {size: reps}; warm_each:
+    False warms up with the first size only. Returns (model, {size: median seconds})."""
     import torch
     import torch.distributed as dist
 
     ranks = dist.get_world_size(group)
     medians = {}
-    for size in sizes_bytes:
+    moved = 0
+    for k, size in enumerate(sizes_bytes):
         data = torch.ones(size // 4, device=device)
-        dist.all_reduce(data, group=group)  # warm-up
+        if warm_each or k == 0:
+            dist.all_reduce(data, group=group)  # warm-up
         samples = []
-        for _ in range(reps):
+        count = reps.get(size, 1) if isinstance(reps, dict) else reps
+        for _ in range(count):
             barrier(group, device)
             start = time.perf_counter()
             dist.all_reduce(data, group=group)
             wait_for_device(device)  # on CUDA the call returns at enqueue
             samples.append(slowest(time.perf_counter() - start, group, device))
         medians[size] = statistics.median(samples)
-        yield size
+        moved += size * count
+        if moved >= piece_bytes:
+            moved = 0
+            yield size
     return fit_link_model(list(medians), list(medians.values()), ranks), medians
 
 
@@ -161,8 +169,8 @@ def probe_contention_steps(link: LinkModel, group=None, reps: int = 3, work_s: f
         elapsed = kernel(count)
         work.wait()
         loaded.append(slowest(elapsed, group))
+        yield "contention sample"
     contention = min(0.9, max(0.0, 1.0 - statistics.median(alone) / statistics.median(loaded)))
-    yield "contention"
     latency = max(link.latency_s,
                   _probe_loaded_latency(lambda: kernel(per_ms), group, reps, small_ops))
     yield "latency under load"

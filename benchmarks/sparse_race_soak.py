@@ -51,8 +51,9 @@ def soak_worker(rank, world_size, names, which, runs=1):
         out["runs_equal_to_the_first"] = run == 0 or all(same(out[n], first[n]) for n in names)
         if not out["runs_equal_to_the_first"]:
             break
-    # pyreducer's sparse buckets went to the one-thread backend (none is made for torch DDP)
-    out["one_thread_backends"] = len(gloo_race._backends)
+    # pyreducer's sparse buckets went to one-thread backends, one per wrapper (none is made for
+    # torch DDP)
+    out["one_thread_backends"] = sum(gloo_race._made.values())
     return out
 
 
@@ -102,7 +103,7 @@ def main() -> None:
             (crashes if crashed(RankError(error)) else errors).append(dict(spawn=k, error=error))
         else:
             for rank, (mine, theirs) in enumerate(zip(results, reference)):
-                if mine["one_thread_backends"] != 1:
+                if mine["one_thread_backends"] != runs * len(NAMES):
                     raise SystemExit(f"spawn {k}: pyreducer's guard was not in force on rank "
                                      f"{rank} ({mine['one_thread_backends']} backends)")
                 if not mine["runs_equal_to_the_first"]:

@@ -11,10 +11,12 @@ parity scenarios before this guard, and in seconds in the reproducer's own loop)
 The guard: a wrapper whose parameters produce sparse gradients, on a Gloo group, all-reduces
 its sparse buckets on a second Gloo backend over the same ranks with ONE worker thread, built
 on the group's own store under a prefix of its own: only that thread ever writes its string.
+The Reducer holds it, so it lives as long as the wrapper (its thread is joined when the wrapper
+is freed, as the group's are at destroy_process_group).
 Dense buckets stay on the group (their names are short: no heap buffer to free twice). The sums
 are the group's (the same Gloo algorithm over the same ranks in the same order). Cost: one
-rendezvous when the first such wrapper on a group is built (collective over the group's ranks,
-like the wrapper's construction), one thread and one set of connections per group, and sparse
+rendezvous when such a wrapper is built (collective over the group's ranks, like the wrapper's
+construction; milliseconds), one thread and one set of connections per wrapper, and sparse
 buckets that no longer run two at a time (one worker). Left exposed: a communication hook's
 own all-reduces (the hook runs them on the group) and the user's own sparse collectives.
 
@@ -30,13 +32,13 @@ import torch.distributed as dist
 
 from pyreducer import torch_versions
 
-_backends: dict = {}  # id(group) -> (group, one-thread backend): one per group and process
-_made: dict = {}  # group name -> backends made for groups of that name in this process
+_made: dict = {}  # group name -> one-thread backends made over groups of that name (process)
 
 
 def guard_sparse(reducer, params, group) -> bool:
-    """Gives `reducer` the one-thread sparse backend of `group` if it needs one (sparse
-    parameters, a Gloo group, a torch with the race); returns whether it did."""
+    """Gives `reducer` a one-thread sparse backend over `group`'s ranks if it needs one (sparse
+    parameters, a Gloo group, a torch with the race); returns whether it did. Collective when
+    it does: every rank of the group builds its wrapper."""
     if not any(params.sparse) or not torch_versions.GLOO_STATUS_RACE or \
             dist.get_world_size(group) < 2 or dist.get_backend(group) != "gloo":
         return False
@@ -45,36 +47,21 @@ def guard_sparse(reducer, params, group) -> bool:
 
 
 def sparse_backend(group):
-    """The one-thread Gloo backend over `group`'s ranks (made once per group and process;
-    collective the first time: every rank of the group, in the same order)."""
+    """A new one-thread Gloo backend over `group`'s ranks (collective: every rank of the group,
+    in the same order, as the wrappers are built)."""
     group = group if group is not None else dist.group.WORLD
-    for key in [k for k, (g, _) in _backends.items() if not _alive(g)]:
-        del _backends[key]  # the group was destroyed (destroy_process_group): let it go
-    found = _backends.get(id(group))
-    if found is not None and found[0] is group:
-        return found[1]
+    # a prefix no earlier backend of this process used: another wrapper, or a re-created group
+    # of the same name, may rendezvous on the same store (every rank makes the same backends in
+    # the same order)
+    made = _made.get(group.group_name, 0)
+    _made[group.group_name] = made + 1
+    store = dist.PrefixStore(f"pyreducer/sparse/{group.group_name}/{made}/",
+                             dist.distributed_c10d._world.pg_map[group][1])  # the group's store
     options = dist.ProcessGroupGloo._Options()
     options._threads = 1
     options._devices = [dist.ProcessGroupGloo.create_default_device()]
     options._timeout = _timeout(group)
-    # a prefix no earlier backend of this process used: a re-created group of the same name
-    # may rendezvous on the same store (every rank makes the same backends in the same order)
-    made = _made.get(group.group_name, 0)
-    _made[group.group_name] = made + 1
-    store = dist.PrefixStore(f"pyreducer/sparse/{group.group_name}/{made}/", _store(group))
-    backend = dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group),
-                                    options)
-    _backends[id(group)] = (group, backend)
-    return backend
-
-
-def _alive(group) -> bool:
-    return group in dist.distributed_c10d._world.pg_map
-
-
-def _store(group):
-    """The store the group's ranks rendezvoused on (torch keeps it with the group)."""
-    return dist.distributed_c10d._world.pg_map[group][1]
+    return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), options)
 
 
 def _timeout(group) -> timedelta:

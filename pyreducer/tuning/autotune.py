@@ -39,16 +39,17 @@ from pyreducer.tuning import announce, memory, planner, stepmodel
 
 logger = logging.getLogger("pyreducer.autotune")
 
-PROBE_EVERY = 4  # synced forwards between the link probe's pieces
+PROBE_EVERY = 6  # synced forwards between the link probe's pieces: a 12-step window holds 2
 
 # Note [Probe in pieces]
 # The link probe once ran whole at one forward: ~1.7 s at 1 Gbit/s (all-reduces up to 16 MiB, 5
 # times each, then the contention probe), a step 4-5 times as long as the bench models', which
 # put the 12-step window around it 30-40% above torch DDP's (issue 31). Now it is smaller (fewer
-# repetitions, 16 MiB once: control.PROBE_REPS) and runs in pieces of at most ~0.15 s there (8
+# repetitions, 16 MiB once: control.PROBE_REPS) and runs in pieces of at most ~0.16 s there (2
 # MiB moved, one contention sample, the latency under load, the queue), one every PROBE_EVERY
 # synced forwards while the starting plan (torch DDP's caps) is measured: its step times exclude
-# the pieces (they run inside the tuner), and a 12-step window holds 3 of them (~0.35 s, +7%).
+# the pieces (they run inside the tuner), and a 12-step window holds 2 of them (up to ~0.26 s,
+# +5% at 0.4 s a step; with one every 4, windows holding 3 read 1.07-1.10 of torch DDP).
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ from pyreducer.tuning.linkmodel import (LinkModel, probe_contention_steps, probe
 # warmed up) and the contention probe took ~1.7 s at 1 Gbit/s in one step, +35% on a 12-step
 # window of the bench models (issue 31). Up to 4 MiB only, the fitted bandwidth was 1.6 Gbit/s
 # on the emulated 1 Gbit/s link (tc's burst), so 16 MiB stays, once; the pieces (PIECE_BYTES
-# moved, or one contention sample) cost up to ~0.15 s each there.
+# moved, or one contention sample) cost 0.05-0.16 s each there (with 8 MiB pieces the window
+# holding the first three read 1.07-1.09 of torch DDP on mlp_large, issue 31's limit 1.10).
 PROBE_SIZES = (1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 PROBE_REPS = {1 << 12: 3, 1 << 18: 3, 1 << 20: 2, 1 << 22: 2, 1 << 24: 1}
-PIECE_BYTES = 8 << 20
+PIECE_BYTES = 2 << 20
 CONTENTION_REPS = 2
 
 

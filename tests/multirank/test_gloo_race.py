@@ -17,13 +17,28 @@ def guard_worker(rank, world_size):
     from pyreducer import DistributedDataParallel, gloo_race
     from pyreducer.testing.parity import SparseEmbeddings
 
+    def gloo_threads():  # Gloo's threads are not Python threads: the OS's, by name
+        import os
+        names = [open(f"/proc/self/task/{t}/comm").read().strip()
+                 for t in os.listdir("/proc/self/task")]
+        return sorted(n for n in names if "gloo" in n)
+
     DistributedDataParallel(nn.Linear(4, 4))
-    made_for_dense = len(gloo_race._backends)
-    DistributedDataParallel(SparseEmbeddings())
-    DistributedDataParallel(SparseEmbeddings())  # the second wrapper on the group shares it
-    [(_, backend)] = gloo_race._backends.values()
-    return dict(made_for_dense=made_for_dense, threads=backend.options._threads,
-                size=backend.size(), rank=backend.rank())
+    made_for_dense = sum(gloo_race._made.values())
+    before = gloo_threads()
+    model = DistributedDataParallel(SparseEmbeddings())
+    import time
+    time.sleep(0.5)  # (threads name themselves once running)
+    with_one = gloo_threads()
+    backend = gloo_race.sparse_backend(None)  # another, to read its options
+    out = dict(made_for_dense=made_for_dense, threads=backend.options._threads,
+               size=backend.size(), rank=backend.rank(),
+               added_threads={n: with_one.count(n) - before.count(n) for n in set(with_one)})
+    del model, backend
+    import gc
+    gc.collect()
+    out["threads_left"] = len(gloo_threads()) - len(before)
+    return out
 
 
 def test_sparse_buckets_get_a_one_thread_backend_dense_ones_none():
@@ -33,6 +48,9 @@ def test_sparse_buckets_get_a_one_thread_backend_dense_ones_none():
     for rank, r in enumerate(run_ranks(guard_worker, 3, timeout_s=120)):
         assert r["made_for_dense"] == 0
         assert (r["threads"], r["size"], r["rank"]) == (1, 3, rank)
+        # the sparse wrapper's one worker thread (and its TCP device's event loop)
+        assert r["added_threads"] == {"pt_gloo_runloop": 1, "gloo_tcp_loop": 1}
+        assert r["threads_left"] == 0  # joined with the wrapper
 
 
 def test_sparse_scenarios_repeated_match_torch_ddp_without_crashing():
@@ -43,6 +61,7 @@ def test_sparse_scenarios_repeated_match_torch_ddp_without_crashing():
     results, error = soak.run(soak.NAMES, "ours", 3, RUNS)  # RUNS runs in one spawn
     assert error is None, error
     for rank, (mine, theirs) in enumerate(zip(results, reference)):
-        assert mine["one_thread_backends"] == 1 and mine["runs_equal_to_the_first"]
+        assert mine["one_thread_backends"] == RUNS * len(soak.NAMES)  # one per wrapper
+        assert mine["runs_equal_to_the_first"]
         for name in soak.NAMES:
             assert soak.same(mine[name], theirs[name]), (rank, name)

@@ -20,17 +20,19 @@ def _run(base, spec, rank, config, overlap):
     if overlap:
         opt = model.overlap_optimizer(opt)
     gen = torch.Generator().manual_seed(rank)
-    decided_at = None
+    decided_at, phases = None, []
     for step in range(STEPS):
         opt.zero_grad()
         spec.loss(model, spec.batch(gen, 8)).backward()
         opt.step()
+        phases.append(model.tuning_phase()[0])
         tuner = getattr(opt, "tuner", None)
         if decided_at is None and model._autotune.done and (tuner is None or tuner.decided):
             decided_at = step + 1
     model.synchronize()
     return dict(log=model.autotune_log, schedule_log=getattr(opt, "schedule_log", []),
-                decided_at=decided_at, plan=model.bucket_plan(),
+                decided_at=decided_at, plan=model.bucket_plan(), phases=phases,
+                logs=sorted(model.tuning_phase()[1]),
                 params=[p.detach().clone() for p in model.parameters()])
 
 
@@ -41,7 +43,7 @@ def memory_worker(rank, world_size, cache_path, overlap):
     # Loopback links swing between runs far more than a real link does: here the runs must
     # match (link_matches has its own unit test), and recalled windows must be kept unless a
     # run says otherwise.
-    memory.LINK_TOLERANCE, memory.LATENCY_FACTOR, memory.RECALL_TOLERANCE = 100.0, 1e9, 100.0
+    memory.BANDWIDTH_FACTOR, memory.LATENCY_FACTOR, memory.RECALL_TOLERANCE = 1e9, 1e9, 100.0
     lines = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
@@ -139,3 +141,16 @@ def test_each_decision_is_said_once_on_rank_0(runs):
     second = rank0["second_lines"]
     assert len(second) == len(first), second
     assert all(" recalled from " in line and " kept after " in line for line in second), second
+
+
+def test_the_phase_in_words_follows_the_tuners(runs):
+    """DistributedDataParallel.tuning_phase(): what the report draws (observe/recorder.py)."""
+    results, _ = runs
+    for r in results:
+        kinds = [p.split(":")[0] for p in r["first"]["phases"]]
+        runs_of = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
+        assert runs_of == ["buckets", "schedule", "decided"], runs_of
+        assert "buckets: measure_current" in r["first"]["phases"]
+        assert any(p.startswith("schedule: trial ") for p in r["first"]["phases"])
+        assert r["first"]["logs"] == ["buckets", "schedule"]
+        assert r["first"]["decided_at"] == kinds.index("decided") + 1

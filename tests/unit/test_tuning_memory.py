@@ -40,10 +40,13 @@ def test_the_key_changes_with_shapes_order_ranks_backend_and_hooks():
 
 def test_links_match_within_the_tolerances():
     seen = dict(latency_s=1e-3, bandwidth_bytes_per_s=1.2e8)
+    b, lat = memory.BANDWIDTH_FACTOR, memory.LATENCY_FACTOR
     assert memory.link_matches(seen, LinkModel(1e-3, 1.2e8))
-    assert memory.link_matches(seen, LinkModel(1.9e-3, 1.2e8 * (1 + memory.LINK_TOLERANCE / 2)))
-    assert not memory.link_matches(seen, LinkModel(1e-3, 1.2e8 * (1 + 2 * memory.LINK_TOLERANCE)))
-    assert not memory.link_matches(seen, LinkModel(1e-3 * 2.5, 1.2e8))  # latency off by 2.5x
+    assert memory.link_matches(seen, LinkModel(1e-3 * lat * 0.9, 1.2e8 * b * 0.9))
+    assert memory.link_matches(seen, LinkModel(1e-3 / lat * 1.1, 1.2e8 / b * 1.1))
+    assert not memory.link_matches(seen, LinkModel(1e-3, 1.2e8 * b * 1.1))
+    assert not memory.link_matches(seen, LinkModel(1e-3, 1.2e9))  # 1 against 10 Gbit/s
+    assert not memory.link_matches(seen, LinkModel(1e-3 * lat * 1.1, 1.2e8))
     assert not memory.link_matches({}, LinkModel(1e-3, 1.2e8))
 
 

@@ -382,8 +382,10 @@ class AutoTuner:
         if self.config.announce:
             announce.say(self.tuning.params, announce.chosen_plan(
                 name, len(plan), self.synced, seconds * 1e3, start_ms, self.predicted_ms))
-        if self.tuning.params.rank == 0:
-            memory.remember(self.cache_path, self.memory_key, plan=plan, step_ms=seconds * 1e3,
+        if self.tuning.params.rank == 0:  # the plan as the Reducer holds it (the schedule's
+            # entry is matched against that: the planner's own lists may order indices otherwise)
+            memory.remember(self.cache_path, self.memory_key, plan=self.tuning.current_plan(),
+                            step_ms=seconds * 1e3,
                             link=dict(latency_s=self.link.latency_s,
                                       bandwidth_bytes_per_s=self.link.bandwidth_bytes_per_s),
                             name=name, decided_after_steps=self.synced)

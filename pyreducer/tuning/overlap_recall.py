@@ -20,7 +20,7 @@ class ScheduleRecall:
         if recalled is None or self.chunk_bytes is not None or plan == self.recall_rejected_for \
                 or not recalled.get("schedule") \
                 or self.tuning.current_plan() != recalled["plan"] \
-                or sorted(recalled["schedule"]["order"]) != list(range(len(recalled["plan"]))):
+                or not _fits(recalled["schedule"], len(recalled["plan"])):
             return False
         self.planned_for = plan
         self.candidates = [dict(recalled["schedule"], remembered_ms=recalled["schedule_ms"])]
@@ -61,3 +61,11 @@ class ScheduleRecall:
                             for_plan=self.tuning.current_plan(),
                             schedule={k: chosen[k] for k in keep if k in chosen},
                             schedule_ms=chosen["measured_ms"])
+
+
+def _fits(schedule: dict, buckets: int) -> bool:
+    """Whether a remembered schedule is one of `buckets` buckets: its launch order holds bucket b
+    chunks[b] times (Note [Launch order] in csrc/reducer.h)."""
+    order, chunks = schedule.get("order", []), schedule.get("chunks", [])
+    return len(chunks) == buckets and sorted(order) == sorted(
+        b for b in range(buckets) for _ in range(chunks[b]))

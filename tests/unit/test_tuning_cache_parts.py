@@ -79,3 +79,15 @@ def test_an_unreadable_cache_warns_and_is_ignored(tmp_path, content):
     path.write_text(content)
     with pytest.warns(RuntimeWarning, match="tuning from scratch"):
         assert memory.recall(str(path), "k", LinkModel(1e-3, 1.2e8), 2) is None
+
+
+def test_a_remembered_schedule_must_fit_the_plan():
+    """A chunked schedule's order holds bucket b chunks[b] times (the warm benchmark's first
+    run refused every chunked schedule for checking a permutation instead)."""
+    from pyreducer.tuning.overlap_recall import _fits
+
+    assert _fits(dict(order=[1, 0], chunks=[1, 1]), 2)
+    assert _fits(dict(order=[1, 1, 0, 1], chunks=[1, 3]), 2)
+    assert not _fits(dict(order=[1, 0, 1], chunks=[1, 3]), 2)
+    assert not _fits(dict(order=[0, 1], chunks=[1, 1]), 3)
+    assert not _fits(dict(order=[0, 1]), 2)

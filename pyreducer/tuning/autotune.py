@@ -281,15 +281,16 @@ class AutoTuner:
 
         hook = "/hook" if self.tuning.reducer.has_comm_hook() else ""
         self.memory_key = memory.model_key(params, dist.get_backend(self.group), hook)
-        entry = None
+        found = (None, "no cache (off)")
         if params.rank == 0 and self.cache_path is not None:
             try:
-                entry = memory.recall(self.cache_path, self.memory_key, self.link,
+                found = memory.recall(self.cache_path, self.memory_key, self.link,
                                       len(params.names))
-            except Exception:  # noqa: BLE001 - the others wait in the broadcast
-                logger.exception("tuning cache not read")
-        entry = sync.from_rank0(entry, self.group, params.device)
+            except Exception as error:  # noqa: BLE001 - the others wait in the broadcast
+                found = (None, f"tuning cache not read: {error}")
+        entry, why = sync.from_rank0(found, self.group, params.device)
         if entry is None:
+            self._note("not recalled", reason=why, key=self.memory_key)
             return
         self.recalled = entry
         self.tuning.apply_bucket_plan(entry["plan"])

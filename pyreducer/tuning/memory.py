@@ -92,18 +92,25 @@ def _read(path: str) -> dict:
     return document.get("entries", {})
 
 
-def recall(path: str | None, key: str, link, num_params: int) -> dict | None:
-    """The remembered entry for `key` on `link`, or None (see the module docstring)."""
+def recall(path: str | None, key: str, link, num_params: int) -> tuple[dict | None, str]:
+    """(the remembered entry for `key` on `link`, "") or (None, why not): see the module
+    docstring."""
     if path is None:
-        return None
+        return None, "no cache (off)"
     entry = _read(path).get(key)
-    if not isinstance(entry, dict) or not link_matches(entry.get("link", {}), link):
-        return None
+    if not isinstance(entry, dict):
+        return None, f"no entry for this model, world size and backend in {path}"
+    seen = entry.get("link", {})
+    if not link_matches(seen, link):
+        return None, (f"link differs: probed {link.bandwidth_bytes_per_s * 8e-9:.2f} Gbit/s, "
+                      f"{link.latency_s * 1e6:.0f} us; remembered "
+                      f"{seen.get('bandwidth_bytes_per_s', 0) * 8e-9:.2f} Gbit/s, "
+                      f"{seen.get('latency_s', 0) * 1e6:.0f} us")
     plan = entry.get("plan")
     flat = sorted(i for bucket in plan or [] for i in bucket) if isinstance(plan, list) else None
     if flat != list(range(num_params)):
-        return None  # not a plan of this model's parameters
-    return entry
+        return None, "the remembered plan is not one of this model's parameters"
+    return entry, ""
 
 
 def remember(path: str | None, key: str, for_plan=None, **fields) -> None:

@@ -54,20 +54,20 @@ def test_remember_then_recall_and_what_is_ignored(tmp_path):
     path = str(tmp_path / "sub" / "tuning.json")
     link = LinkModel(1e-3, 1.2e8)
     seen = dict(latency_s=1e-3, bandwidth_bytes_per_s=1.2e8)
-    assert memory.recall(path, "k", link, 2) is None  # no file yet
+    assert memory.recall(path, "k", link, 2)[0] is None  # no file yet
     memory.remember(path, "k", plan=[[1], [0]], step_ms=10.0, link=seen)
-    assert memory.recall(path, "k", link, 2)["plan"] == [[1], [0]]
-    assert memory.recall(path, "other", link, 2) is None
-    assert memory.recall(path, "k", LinkModel(1e-3, 1e9), 2) is None  # another link
-    assert memory.recall(path, "k", link, 3) is None  # not a plan of 3 parameters
+    assert memory.recall(path, "k", link, 2)[0]["plan"] == [[1], [0]]
+    assert "no entry" in memory.recall(path, "other", link, 2)[1]
+    assert "link differs" in memory.recall(path, "k", LinkModel(1e-3, 1e9), 2)[1]
+    assert "not one of this model" in memory.recall(path, "k", link, 3)[1]
     # a schedule joins its plan's entry only
     memory.remember(path, "k", for_plan=[[0, 1]], schedule={"order": [0]}, schedule_ms=9.0)
-    assert "schedule" not in memory.recall(path, "k", link, 2)
+    assert "schedule" not in memory.recall(path, "k", link, 2)[0]
     memory.remember(path, "k", for_plan=[[1], [0]], schedule={"order": [1, 0]}, schedule_ms=9.0)
-    assert memory.recall(path, "k", link, 2)["schedule"] == {"order": [1, 0]}
+    assert memory.recall(path, "k", link, 2)[0]["schedule"] == {"order": [1, 0]}
     # a new plan replaces the entry, schedule and all
     memory.remember(path, "k", plan=[[0, 1]], step_ms=8.0, link=seen)
-    entry = memory.recall(path, "k", link, 2)
+    entry, _ = memory.recall(path, "k", link, 2)
     assert entry["plan"] == [[0, 1]] and "schedule" not in entry
     with open(path) as f:
         assert json.load(f)["format"] == memory.FORMAT
@@ -78,7 +78,7 @@ def test_an_unreadable_cache_warns_and_is_ignored(tmp_path, content):
     path = tmp_path / "tuning.json"
     path.write_text(content)
     with pytest.warns(RuntimeWarning, match="tuning from scratch"):
-        assert memory.recall(str(path), "k", LinkModel(1e-3, 1.2e8), 2) is None
+        assert memory.recall(str(path), "k", LinkModel(1e-3, 1.2e8), 2)[0] is None
 
 
 def test_a_remembered_schedule_must_fit_the_plan():

@@ -141,13 +141,9 @@ def analyse(result: dict, window: int) -> dict:
 
 def phase_spans(phases: list[str]) -> list[tuple[int, int, str]]:
     """(first step, last step, phase) runs of equal phases, steps counted from 1."""
-    spans = []
-    for i, p in enumerate(phases, start=1):
-        if spans and spans[-1][2] == p:
-            spans[-1] = (spans[-1][0], i, p)
-        else:
-            spans.append((i, i, p))
-    return spans
+    from pyreducer.tuning import announce
+
+    return announce.spans(phases)
 
 
 def plot(result: dict, analysis: dict, path: str) -> str:

@@ -1,6 +1,6 @@
 """One line on rank 0 when a tuner decides: what, after how many steps, the measured and the
-predicted gain. Logged at INFO on the "pyreducer.tuning" logger; printed to stderr when logging
-is not configured (no handler anywhere), so that a user watching the first minutes sees it.
+predicted gain. Logged at INFO on the "pyreducer.tuning" logger where logging would show it;
+printed to stderr otherwise, so that a user watching the first minutes sees it.
 AutotuneConfig(announce=False) silences it; the decisions are also in model.autotune_log and
 the overlapped optimizer's schedule_log."""
 from __future__ import annotations
@@ -12,11 +12,13 @@ logger = logging.getLogger("pyreducer.tuning")
 
 
 def say(params, line: str) -> None:
-    """Rank 0 of the wrapper's group says `line` (the others say nothing)."""
+    """Rank 0 of the wrapper's group says `line` (the others say nothing): logged if logging
+    would show it (a handler, INFO enabled for "pyreducer.tuning"), else printed to stderr."""
     if params.rank != 0:
         return
-    logger.info("%s", line)
-    if not logger.hasHandlers():
+    if logger.hasHandlers() and logger.isEnabledFor(logging.INFO):
+        logger.info("%s", line)
+    else:
         print(line, file=sys.stderr, flush=True)
 
 

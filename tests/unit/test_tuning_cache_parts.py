@@ -91,3 +91,19 @@ def test_a_remembered_schedule_must_fit_the_plan():
     assert not _fits(dict(order=[1, 0, 1], chunks=[1, 3]), 2)
     assert not _fits(dict(order=[0, 1], chunks=[1, 1]), 3)
     assert not _fits(dict(order=[0, 1]), 2)
+
+
+def test_a_decision_is_printed_unless_logging_shows_it(capsys, caplog):
+    import logging
+
+    from pyreducer.tuning import announce
+
+    rank0, rank1 = SimpleNamespace(rank=0), SimpleNamespace(rank=1)
+    announce.say(rank1, "not me")
+    with caplog.at_level(logging.INFO, logger="pyreducer.tuning"):
+        announce.say(rank0, "logged")
+    assert "logged" in caplog.text and "logged" not in capsys.readouterr().err
+    with caplog.at_level(logging.WARNING, logger="pyreducer.tuning"):
+        announce.say(rank0, "printed")  # logging would hide INFO: stderr instead
+    err = capsys.readouterr().err
+    assert "printed" in err and "not me" not in err

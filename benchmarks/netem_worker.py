@@ -31,7 +31,7 @@ VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overl
 OVERLAPPED = ("overlapped", "overlap")  # with the overlapped optimizer
 # every run tunes from scratch: no decision remembered by an earlier run (pyreducer/tuning/memory.py)
 os.environ["PYREDUCER_TUNING_CACHE"] = "off"
-AUTO_WARMUP = 40  # autotune decides after 24-32 synced iterations
+AUTO_WARMUP = 75  # autotune decides after 50-65 synced iterations (its link probe in pieces)
 OVERLAP_WARMUP = 84  # the overlapped optimizer plans after ~12 steps (6 of them held), then times
 # 2 rounds x 4 x 5 steps (its three best schedules and the step barrier) and a run-off of
 # 2 x 3 x 5 steps; then more steps, if its tuner has not decided yet (settle_schedule)

@@ -250,9 +250,12 @@ def autotune_worker(rank, world_size, compiled):
                                                                 torch.nn.Tanh())])
     if compiled:
         body = torch.compile(body, backend="aot_eager")
-    config = AutotuneConfig(warmup_iterations=2, measure_iterations=2, candidates=2,
-                            caps_mb=(0.05, 0.1), confirm_margin=0.0)
+    # every candidate measured its 2 steps (none pruned by prediction nor dropped early): the
+    # test counts the steps between them
+    config = AutotuneConfig(warmup_iterations=2, measure_iterations=2, candidates=2, probe_every=1,
+                            caps_mb=(0.05, 0.1), confirm_margin=0.0, prune_ratio=100.0,
+                            abandon_ratio=100.0)
     model = DistributedDataParallel(body, bucket_cap_mb=config)
-    for _ in range(16):
+    for _ in range(24):
         model(torch.randn(32, 128)).sum().backward()
     return model.autotune_log

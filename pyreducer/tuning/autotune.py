@@ -39,14 +39,13 @@ from pyreducer.tuning import announce, memory, planner, stepmodel
 
 logger = logging.getLogger("pyreducer.autotune")
 
-PROBE_EVERY = 6  # synced forwards between the link probe's pieces: a 12-step window holds 2
 
 # Note [Probe in pieces]
 # The link probe once ran whole at one forward: ~1.7 s at 1 Gbit/s (all-reduces up to 16 MiB, 5
 # times each, then the contention probe), a step 4-5 times as long as the bench models', which
 # put the 12-step window around it 30-40% above torch DDP's (issue 31). Now it is smaller (fewer
 # repetitions, 16 MiB once: control.PROBE_REPS) and runs in pieces of at most ~0.16 s there (2
-# MiB moved, one contention sample, the latency under load, the queue), one every PROBE_EVERY
+# MiB moved, one contention sample, the latency under load, the queue), one every `probe_every`
 # synced forwards while the starting plan (torch DDP's caps) is measured: its step times exclude
 # the pieces (they run inside the tuner), and a 12-step window holds 2 of them (up to ~0.26 s,
 # +5% at 0.4 s a step; with one every 4, windows holding 3 read 1.07-1.10 of torch DDP).
@@ -75,6 +74,8 @@ class AutotuneConfig:
             file ($PYREDUCER_TUNING_CACHE, else ~/.cache/pyreducer/tuning.json), a path, or
             False for none.
         announce: say each decision in one line on rank 0 (pyreducer/tuning/announce.py).
+        probe_every: synced forwards between the link probe's pieces (Note [Probe in pieces]):
+            6 keeps 2 pieces in a 12-step window; 1 probes in 7 steps (short runs, tests).
     """
     warmup_iterations: int = 3
     measure_iterations: int = 4
@@ -85,6 +86,7 @@ class AutotuneConfig:
     prune_ratio: float = 1.15
     cache: bool | str = True
     announce: bool = True
+    probe_every: int = 6
 
     def __post_init__(self):
         checks = [("warmup_iterations >= 1", self.warmup_iterations >= 1),
@@ -93,6 +95,7 @@ class AutotuneConfig:
                   ("positive caps_mb", all(cap > 0 for cap in self.caps_mb)),
                   ("abandon_ratio > 1", self.abandon_ratio > 1),
                   ("prune_ratio >= 1", self.prune_ratio >= 1),
+                  ("probe_every >= 1", self.probe_every >= 1),
                   ("confirm_margin >= 0", self.confirm_margin >= 0)]
         failed = [what for what, ok in checks if not ok]
         if failed:
@@ -249,12 +252,12 @@ class AutoTuner:
             self._next_candidate()
 
     def _probe_piece(self) -> None:
-        """One piece of the link probe every PROBE_EVERY synced forwards (Note [Probe in
+        """One piece of the link probe every `probe_every` synced forwards (Note [Probe in
         pieces]); after the last, the link is noted and the tuning cache consulted."""
         self.probe_wait -= 1
         if self.probe_wait > 0:
             return
-        self.probe_wait = PROBE_EVERY
+        self.probe_wait = self.config.probe_every
         try:
             next(self.probing)
             return

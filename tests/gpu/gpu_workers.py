@@ -9,6 +9,12 @@ from torch import nn
 
 from gpu_kit import rank_device
 
+# The link probe's pieces at every synced forward (AutotuneConfig.probe_every=1, not 6): these
+# runs are a few dozen steps long and count on autotune deciding within them.
+def _fast_probe():
+    from pyreducer.tuning import AutotuneConfig
+    return AutotuneConfig(probe_every=1)
+
 
 def _mlp():
     return nn.Sequential(nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
@@ -54,7 +60,7 @@ def one_rank_worker(rank, world_size):
     out.update(_nested_inputs(rank))
     out.update(_hooks(base, rank))
     out.update(_unused(rank))
-    auto = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb="auto")
+    auto = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=_fast_probe())
     _steps(auto, device, 8, 2)
     out["autotune_log"] = auto.autotune_log
     for name, part in (("big_bucket", big_bucket_worker), ("check_finite", check_finite_worker),
@@ -182,7 +188,7 @@ def no_set_device_worker(rank, world_size):
     model = DistributedDataParallel(_mlp().to(device), device_ids=[rank], bucket_cap_mb=0.5)
     grads = _steps(model, device, 3, 7)
     gathered = gather_timelines(model, 2)
-    auto = DistributedDataParallel(_mlp().to(device), bucket_cap_mb="auto")
+    auto = DistributedDataParallel(_mlp().to(device), bucket_cap_mb=_fast_probe())
     _steps(auto, device, 40, 8)  # decides by forward 32 even after a close call
     return dict(grads=grads[-1], gathered=gathered is not None, log=auto.autotune_log)
 
@@ -249,7 +255,7 @@ def link_probe_worker(rank, world_size):
     busbw_gbps = allreduce_busbw_gbps(rank, world_size)
     torch.manual_seed(0)
     auto = DistributedDataParallel(_mlp().to(device), device_ids=[device.index],
-                                   bucket_cap_mb="auto")
+                                   bucket_cap_mb=_fast_probe())
     _steps(auto, device, 12, 8)
     return dict(busbw_gbps=busbw_gbps, log=auto.autotune_log)
 

@@ -26,7 +26,7 @@ def tuning_worker(rank, world_size):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(rank)
         grads = []
-        for _ in range(60):  # autotune decides after 3 + ~19 (the probe in pieces, measuring the
+        for _ in range(80):  # autotune decides after 3 + ~40 (the probe in pieces, measuring the
             # start) + 4 x 4 (+ 2 x 4) iterations
             opt.zero_grad()
             spec.loss(model, spec.batch(gen, 8)).backward()

@@ -89,7 +89,7 @@ def _train(cls, base, case, rank):
     ours = cls.__module__.startswith("pyreducer")
     kwargs = dict(case["ddp"] if ours else case.get("torch_ddp", case["ddp"]))
     if case.get("autotune") and ours:
-        kwargs["bucket_cap_mb"] = AutotuneConfig(warmup_iterations=1, measure_iterations=2,
+        kwargs["bucket_cap_mb"] = AutotuneConfig(warmup_iterations=1, measure_iterations=2, probe_every=1,
                                                  candidates=2)
     model = cls(copy.deepcopy(base), **kwargs)
     if "hook" in case:

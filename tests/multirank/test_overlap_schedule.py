@@ -163,7 +163,7 @@ def one_rank_eval_worker(rank, world_size):
     out = {}
     for name in ("torch", "overlap", "bucket_autotune"):
         cls = TorchDDP if name == "torch" else DistributedDataParallel
-        cap = AutotuneConfig(warmup_iterations=2, measure_iterations=2) \
+        cap = AutotuneConfig(warmup_iterations=2, measure_iterations=2, probe_every=1) \
             if name == "bucket_autotune" else CAP_MB
         model = cls(copy.deepcopy(base), bucket_cap_mb=cap)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)

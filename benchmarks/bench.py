@@ -8,7 +8,7 @@ after a check that the communicating ones end with the same parameters. Variants
   per_param  after backward, one all-reduce per gradient (the classic tutorial)
   flat       after backward, one flat all-reduce of all gradients (no overlap; Apex delay_allreduce)
   torch      torch DDP at the same bucket cap;  pyreducer  pyreducer at that cap
-  auto       pyreducer with bucket_cap_mb="auto" (online autotune, 40 warm-up steps)
+  auto       pyreducer with bucket_cap_mb="auto" (online autotune, 75 warm-up steps)
   overlapped pyreducer at that cap with its overlapped optimizer (model.overlap_optimizer,
              --schedule auto: chunks in a planned order; fifo: torch DDP's order, with
              --hold-back K the first layers' K buckets first); time it with --loop-steps N

@@ -139,15 +139,9 @@ def analyse(result: dict, window: int) -> dict:
                 phases=first_auto["phases"])
 
 
-def phase_spans(phases: list[str]) -> list[tuple[int, int, str]]:
-    """(first step, last step, phase) runs of equal phases, steps counted from 1."""
-    from pyreducer.tuning import announce
-
-    return announce.spans(phases)
-
-
 def plot(result: dict, analysis: dict, path: str) -> str:
     from pyreducer.observe import plot as plots
+    from pyreducer.tuning import announce
 
     fig = plots.new_figure(11, 4.5)
     ax = fig.subplots()
@@ -158,7 +152,7 @@ def plot(result: dict, analysis: dict, path: str) -> str:
     ax.axhline(LIMIT, color="red", ls="--", lw=1, label=f"limit {LIMIT}")
     ax.axhline(1.0, color="grey", lw=0.8)
     colours = {"buckets": "#cfe2f3", "schedule": "#fce5cd"}
-    for first, last, phase in phase_spans(analysis["phases"]):
+    for first, last, phase in announce.spans(analysis["phases"]):
         kind = phase.split(":")[0]
         if kind in colours:
             ax.axvspan(first - 0.5, last + 0.5, color=colours[kind], alpha=0.5, lw=0)
@@ -174,6 +168,8 @@ def plot(result: dict, analysis: dict, path: str) -> str:
 
 
 def report(result: dict, analysis: dict) -> str:
+    from pyreducer.tuning import announce
+
     lines = [f"{result['model']} (batch {result['batch']}), {result['hosts']} hosts at "
              f"{result['link']}, {len(result['runs']) // 2} rounds of {len(analysis['phases'])} "
              f"steps, tuning cache {result.get('cache', 'cold')}",
@@ -184,7 +180,7 @@ def report(result: dict, analysis: dict) -> str:
              f"{analysis['decided_after_steps']}; after that: "
              + (f"{analysis['after_decided_ratio']:.3f}" if analysis["after_decided_ratio"]
                 else "-")]
-    for first, last, phase in phase_spans(analysis["phases"]):
+    for first, last, phase in announce.spans(analysis["phases"]):
         span = analysis["ratio"][max(0, first - analysis["window"]):last]
         worst = f", worst window touching it {max(span):.3f}" if span else ""
         lines.append(f"    steps {first:3d}-{last:3d} {phase}{worst}")

@@ -16,8 +16,7 @@ from pyreducer.tuning.linkmodel import (LinkModel, probe_contention_steps, probe
 # on the emulated 1 Gbit/s link (tc's burst), so 16 MiB stays, once; the pieces (PIECE_BYTES
 # moved, or one contention sample) cost 0.05-0.16 s each there (with 8 MiB pieces the window
 # holding the first three read 1.07-1.09 of torch DDP on mlp_large, issue 31's limit 1.10).
-PROBE_SIZES = (1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
-PROBE_REPS = {1 << 12: 3, 1 << 18: 3, 1 << 20: 2, 1 << 22: 2, 1 << 24: 1}
+PROBE_REPS = {1 << 12: 3, 1 << 18: 3, 1 << 20: 2, 1 << 22: 2, 1 << 24: 1}  # size: repetitions
 PIECE_BYTES = 2 << 20
 CONTENTION_REPS = 2
 
@@ -75,7 +74,7 @@ class BucketTuning:
         steps instead of the whole probe in one (Note [Probe in pieces] in autotune.py)."""
         device = self.params.device  # NCCL groups take only CUDA tensors
         group = self.params.process_group
-        link, _ = yield from probe_link_steps(group, PROBE_SIZES, PROBE_REPS, device,
+        link, _ = yield from probe_link_steps(group, tuple(PROBE_REPS), PROBE_REPS, device,
                                               warm_each=False, piece_bytes=PIECE_BYTES)
         if device.type == "cpu":
             link = yield from probe_contention_steps(link, group, reps=CONTENTION_REPS)

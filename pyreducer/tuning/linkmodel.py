@@ -128,8 +128,8 @@ def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float =
 
 def probe_contention_steps(link: LinkModel, group=None, reps: int = 3, work_s: float = 0.02,
                            small_ops: int = 16):
-    """probe_contention as a generator that yields between its three measurements (contention,
-    latency under load, queue); returns the LinkModel.
+    """probe_contention as a generator that yields after each contention sample and after the
+    latency under load (the queue comes last); returns the LinkModel.
 
     contention: a fixed compute kernel (matrix products, ~work_s) is timed alone, then while an
     all-reduce big enough to outlast it runs; contention = 1 - alone / with, clamped to [0, 0.9].

@@ -304,10 +304,32 @@ void set_failure_context(Reducer& reducer, py::object context) {
 // without the GIL: the autograd thread holds that lock while a Python communication hook runs,
 // which takes the GIL, so a caller waiting for the lock with the GIL (a thread reading the
 // logging data during backward) would deadlock both.
+// The methods of deferred completion and sharded buckets (see Note [Deferred completion] and
+// Note [Sharded buckets] in csrc/reducer.h).
+template <typename Class>
+void bind_completion(Class& reducer) {
+  const auto RELEASE = py::call_guard<py::gil_scoped_release>();
+  reducer
+      .def("set_deferred_completion", &set_deferred_completion, py::arg("deferred"),
+           py::arg("on_deferred") = py::none(),
+           "See Note [Deferred completion] in csrc/reducer.h.")
+      .def("complete_bucket", &Reducer::complete_bucket, py::arg("bucket"), RELEASE)
+      .def("complete_all", &Reducer::complete_all, RELEASE)
+      .def("pending_buckets", &Reducer::pending_buckets, RELEASE)
+      .def("used_map_pending", &Reducer::used_map_pending, RELEASE)
+      .def("set_sharded", &Reducer::set_sharded, py::arg("sharded"), py::arg("backend"), RELEASE,
+           "See Note [Sharded buckets] in csrc/reducer.h.")
+      .def_property_readonly("sharded", py::cpp_function(&Reducer::sharded, RELEASE))
+      .def("shard_buffers", &Reducer::shard_buffers, RELEASE)
+      .def("globally_unused", &Reducer::globally_unused, RELEASE);
+}
+
 void bind_reducer(py::module_& m) {
   const auto RELEASE = py::call_guard<py::gil_scoped_release>();
-  py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer",
-                                               py::release_gil_before_calling_cpp_dtor())
+  py::class_<Reducer, std::shared_ptr<Reducer>> reducer(m, "Reducer",
+                                                        py::release_gil_before_calling_cpp_dtor());
+  bind_completion(reducer);
+  reducer
       .def(py::init(&Reducer::create), py::arg("params"), py::arg("param_names"),
            py::arg("initial_plan"), py::arg("process_group"), py::arg("options"))
       .def("register_comm_hook",
@@ -328,15 +350,8 @@ void bind_reducer(py::module_& m) {
       .def("set_sparse_backend", &Reducer::set_sparse_backend, py::arg("backend"), RELEASE,
            "See Note [Sparse gradients beside Gloo's race] in csrc/reducer.h.")
       .def("set_static_graph", &Reducer::set_static_graph, py::arg("rebuild"), RELEASE)
-      .def("set_deferred_completion", &set_deferred_completion, py::arg("deferred"),
-           py::arg("on_deferred") = py::none(),
-           "See Note [Deferred completion] in csrc/reducer.h.")
       .def("set_failure_context", &set_failure_context, py::arg("context"),
            "See Reducer::set_failure_context in csrc/reducer.h.")
-      .def("complete_bucket", &Reducer::complete_bucket, py::arg("bucket"), RELEASE)
-      .def("complete_all", &Reducer::complete_all, RELEASE)
-      .def("pending_buckets", &Reducer::pending_buckets, RELEASE)
-      .def("used_map_pending", &Reducer::used_map_pending, RELEASE)
       .def("set_launch_order", &Reducer::set_launch_order, py::arg("order"),
            py::arg("chunks") = std::vector<int64_t>{}, RELEASE)
       .def("launch_order", &Reducer::launch_order, RELEASE)

@@ -32,7 +32,11 @@ int64_t size_bytes(const at::Tensor& tensor) {
 BucketSet make_buckets(const std::vector<at::Tensor>& params,
                        const std::vector<std::string>& param_names,
                        const std::vector<std::vector<int64_t>>& plan,
-                       const std::vector<uint8_t>& sparse) {
+                       const std::vector<uint8_t>& sparse, int64_t shards) {
+  if (shards < 1) {
+    throw std::invalid_argument("bucket plan: expected at least 1 shard, got " +
+                                std::to_string(shards));
+  }
   auto is_sparse = [&](int64_t i) { return !sparse.empty() && sparse[i]; };
   BucketSet set;
   set.locations.resize(params.size());
@@ -77,7 +81,9 @@ BucketSet make_buckets(const std::vector<at::Tensor>& params,
       set.buckets.push_back(std::move(bucket));
       continue;
     }
-    bucket.flat = at::zeros({numel}, first.options().requires_grad(false));
+    const int64_t padded = (numel + shards - 1) / shards * shards;
+    bucket.flat = at::zeros({padded}, first.options().requires_grad(false));
+    if (shards > 1) bucket.shard = at::zeros({padded / shards}, bucket.flat.options());
     bucket.size_bytes = numel * static_cast<int64_t>(first.element_size());
     int64_t offset = 0;
     for (int64_t i : bucket.param_indices) {

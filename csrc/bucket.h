@@ -42,6 +42,9 @@ struct Bucket {
                                        // launched (see Note [Launch order]); empty: none
   size_t chunks_launched = 0;          // this iteration's
   c10::intrusive_ptr<c10::ivalue::Future> future;  // in-flight hook result (with a hook)
+  // Sharded buckets (see Note [Sharded buckets] in reducer.h): this rank's 1/world_size of the
+  // reduce-scattered sum, elements [rank * n, (rank + 1) * n) of flat; undefined otherwise.
+  at::Tensor shard;
   std::vector<c10::Stream> copy_streams;  // see Note [Streams of a bucket]
   // Non-CPU: the streams made to wait for its reductions (Reducer::wait_bucket), on which the
   // buffer must be recorded before it is freed (Reducer::install_plan).
@@ -67,10 +70,12 @@ struct BucketSet {
 // `sparse` (per parameter; empty: none) form sparse buckets, one parameter each, without buffer.
 // Throws std::invalid_argument naming the parameter if the plan is not a partition of all
 // parameters, a bucket mixes dtypes or devices, or a sparse parameter shares a bucket.
+// `shards` > 1: each flat buffer is zero-padded to a multiple of `shards` elements after its
+// last slot (size_bytes stays the slots'), and gets a zeroed `shard` of 1/shards of it.
 BucketSet make_buckets(const std::vector<at::Tensor>& params,
                        const std::vector<std::string>& param_names,
                        const std::vector<std::vector<int64_t>>& plan,
-                       const std::vector<uint8_t>& sparse);
+                       const std::vector<uint8_t>& sparse, int64_t shards = 1);
 
 // "dtype/device" of a tensor: parameters with different keys never share a bucket. The one
 // definition (Python reads it as pyreducer._C.group_key).

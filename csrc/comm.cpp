@@ -13,20 +13,16 @@ namespace pyreducer {
 
 namespace {
 
-// The SUM all-reduce of `flat` on `group` (a ProcessGroup or a Backend), with allreduce_sum_async's
-// completion time and profiler range.
-template <typename Group>
-WorkPtr allreduce_sum_timed(const Group& group, at::Tensor& flat,
-                            std::shared_ptr<std::atomic<int64_t>> done_ns,
-                            const std::function<std::string()>& label) {
+// Launches a collective with `launch()` and attaches allreduce_sum_async's completion time and
+// profiler range to its work.
+template <typename Launch>
+WorkPtr launch_timed(Launch&& launch, std::shared_ptr<std::atomic<int64_t>> done_ns,
+                     const std::function<std::string()>& label) {
   c10::intrusive_ptr<torch::autograd::profiler::PythonRecordFunction> range;
   if (label && at::hasCallbacks()) {
     range = torch::autograd::profiler::record_function_enter_new(label());
   }
-  std::vector<at::Tensor> tensors{flat};
-  c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::SUM;
-  WorkPtr work = group->allreduce(tensors, options);
+  WorkPtr work = launch();
   if (done_ns != nullptr || range) {
     c10::intrusive_ptr<c10::ivalue::Future> future;
     try {
@@ -49,6 +45,42 @@ WorkPtr allreduce_sum_timed(const Group& group, at::Tensor& flat,
   return work;
 }
 
+// The SUM all-reduce of `flat` on `group` (a ProcessGroup or a Backend), timed.
+template <typename Group>
+WorkPtr allreduce_sum_timed(const Group& group, at::Tensor& flat,
+                            std::shared_ptr<std::atomic<int64_t>> done_ns,
+                            const std::function<std::string()>& label) {
+  return launch_timed([&] {
+    std::vector<at::Tensor> tensors{flat};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    return group->allreduce(tensors, options);
+  }, std::move(done_ns), label);
+}
+
+// The SUM reduce-scatter of `flat` into `shard` on `group` (a ProcessGroup or a Backend), timed.
+template <typename Group>
+WorkPtr reduce_scatter_sum_timed(const Group& group, at::Tensor& shard, at::Tensor& flat,
+                                 std::shared_ptr<std::atomic<int64_t>> done_ns,
+                                 const std::function<std::string()>& label) {
+  if (flat.numel() != shard.numel() * group->getSize()) {
+    throw std::invalid_argument("reduce-scatter: expected a buffer of " +
+                                std::to_string(shard.numel() * group->getSize()) +
+                                " elements (shard x world size), got " +
+                                std::to_string(flat.numel()));
+  }
+  return launch_timed([&] {
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    // torch 2.13 deprecates ProcessGroup::_reduce_scatter_base for reduce_scatter_single, which
+    // torch 2.11 and 2.12 do not have; every supported torch has this one (an alias in 2.13+).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    return group->_reduce_scatter_base(shard, flat, options);
+#pragma GCC diagnostic pop
+  }, std::move(done_ns), label);
+}
+
 }  // namespace
 
 WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
@@ -61,6 +93,18 @@ WorkPtr allreduce_sum_async(const BackendPtr& backend, at::Tensor& flat,
                             std::shared_ptr<std::atomic<int64_t>> done_ns,
                             const std::function<std::string()>& label) {
   return allreduce_sum_timed(backend, flat, std::move(done_ns), label);
+}
+
+WorkPtr reduce_scatter_sum_async(const ProcessGroupPtr& group, at::Tensor& shard,
+                                 at::Tensor& flat, std::shared_ptr<std::atomic<int64_t>> done_ns,
+                                 const std::function<std::string()>& label) {
+  return reduce_scatter_sum_timed(group, shard, flat, std::move(done_ns), label);
+}
+
+WorkPtr reduce_scatter_sum_async(const BackendPtr& backend, at::Tensor& shard, at::Tensor& flat,
+                                 std::shared_ptr<std::atomic<int64_t>> done_ns,
+                                 const std::function<std::string()>& label) {
+  return reduce_scatter_sum_timed(backend, shard, flat, std::move(done_ns), label);
 }
 
 void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values, int64_t root,

@@ -42,6 +42,18 @@ WorkPtr allreduce_sum_async(const BackendPtr& backend, at::Tensor& flat,
                             std::shared_ptr<std::atomic<int64_t>> done_ns = nullptr,
                             const std::function<std::string()>& label = {});
 
+// Launches an asynchronous SUM reduce-scatter: `shard` (n elements) receives elements
+// [rank * n, (rank + 1) * n) of the sum of every rank's `flat` (n * world size elements;
+// std::invalid_argument otherwise), on `group` or one `backend` of its ranks. Ordering, `done_ns`
+// and `label` as allreduce_sum_async. Any thread.
+WorkPtr reduce_scatter_sum_async(const ProcessGroupPtr& group, at::Tensor& shard,
+                                 at::Tensor& flat,
+                                 std::shared_ptr<std::atomic<int64_t>> done_ns = nullptr,
+                                 const std::function<std::string()>& label = {});
+WorkPtr reduce_scatter_sum_async(const BackendPtr& backend, at::Tensor& shard, at::Tensor& flat,
+                                 std::shared_ptr<std::atomic<int64_t>> done_ns = nullptr,
+                                 const std::function<std::string()>& label = {});
+
 // Overwrites `values` on every rank with rank `root`'s (same length on every rank). The values
 // travel on `device`, the parameters' (an NCCL group broadcasts device tensors only), and are
 // read back with a blocking copy: on NCCL, wait() only makes the current stream wait. Blocking;

@@ -45,6 +45,17 @@
 // its string is only ever written by that thread, and the group's own threads only ever write
 // short names. Dense buckets, and overlap, are as before; the sums are the same.
 //
+// Note [Sharded buckets]
+// With sharding on (a sharded overlapped optimizer, pyreducer/sharded/), each bucket's buffer is
+// zero-padded to a multiple of the world size and reduce-scattered instead of all-reduced: rank r
+// receives elements [r * n, (r + 1) * n) of the sum (n = padded size / world size) in the
+// bucket's `shard`, and param.grad is not written back (no rank holds the whole average; the
+// optimizer steps the shard and all-gathers the parameters). The pre-scaling by 1/world_size at
+// copy-in, the launch order and the overlap are as for an all-reduce; one collective per bucket
+// (no chunks, no communication hook, no sparse gradients). On Gloo the reduce-scatters go to a
+// one-thread backend (its op name is long: Note [Sparse gradients beside Gloo's race]).
+// With 2 ranks each shard's sum is a + b, the all-reduce's bit for bit.
+//
 // Note [Deferred completion]
 // With deferred completion on (an overlapped optimizer, pyreducer/overlap.py), finalize_backward
 // checks and launches as usual but does not wait: the buckets' reductions stay in flight past
@@ -175,6 +186,19 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // instead of the group; null: on the group. See Note [Sparse gradients beside Gloo's race].
   // Between iterations, the same on every rank. Python thread.
   void set_sparse_backend(BackendPtr backend);
+
+  // See Note [Sharded buckets]: `sharded` on reallocates every bucket padded, with its shard,
+  // reduce-scattered on `backend` (null: on the group); off, as before. Keeps a pending rebuild.
+  // Between iterations with nothing pending, the same on every rank; std::runtime_error with a
+  // communication hook, sparse gradients, or chunks in the launch order. Python thread.
+  void set_sharded(bool sharded, BackendPtr backend);
+  bool sharded() const;
+  // Each bucket's shard (see Note [Sharded buckets]): valid once the bucket is completed, until
+  // the next backward reaches it; undefined tensors when sharding is off.
+  std::vector<at::Tensor> shard_buffers() const;
+  // Parameters (indices) found unused on every rank by the last completed synced backward (with
+  // find_unused_parameters): their gradients were not written, and a sharded step skips them.
+  std::vector<int64_t> globally_unused() const;
 
   // For a rank that has joined (join.py: out of data while others train): issues exactly the
   // collectives of one synced backward of the training ranks, with zeroed buckets (this rank
@@ -307,6 +331,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void copy_into_slot(size_t index, at::Tensor& slot);
   void launch_ready_buckets();
   void launch_chunk(size_t b);  // bucket b's next chunk (its only one with a hook)
+  // Launches the collective of bucket b's chunk `chunk` of `chunks` (its elements `flat`): an
+  // all-reduce, or a reduce-scatter into its shard (see Note [Sharded buckets]).
+  WorkPtr launch_reduction(size_t b, at::Tensor& flat, size_t chunk, size_t chunks,
+                           std::shared_ptr<std::atomic<int64_t>> done);
   void copy_bucket_in(size_t b);  // batched_grad_copy: the whole bucket at once
   void launch_used_map_allreduce();
   bool all_locally_used() const;
@@ -348,6 +376,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<std::string> param_names_;
   BucketSet set_;
   ProcessGroupPtr group_;
+  bool sharded_ = false;       // See Note [Sharded buckets]
+  BackendPtr shard_backend_;   // null: reduce-scatters on group_
   BackendPtr sparse_backend_;  // null: sparse buckets on group_ (Note [Sparse gradients beside ...])
   ReducerOptions options_;
   int64_t world_size_ = 1;

@@ -179,13 +179,7 @@ void Reducer::launch_chunk(size_t b) {
       const int64_t end = n * static_cast<int64_t>(chunk + 1) / static_cast<int64_t>(chunks);
       flat = bucket.flat.narrow(0, begin, end - begin);
     }
-    auto label = [b, chunk, chunks] {
-      return "pyreducer.allreduce.bucket_" + std::to_string(b) +
-             (chunks > 1 ? ".chunk_" + std::to_string(chunk) : std::string());
-    };
-    bucket.works.push_back(bucket.sparse && sparse_backend_
-                               ? allreduce_sum_async(sparse_backend_, flat, done, label)
-                               : allreduce_sum_async(group_, flat, done, label));
+    bucket.works.push_back(launch_reduction(b, flat, chunk, chunks, done));
     if (device && last) {  // one stream: the last chunk's completion follows the others'
       try {
         device->bucket_done(record_->slot, b, bucket.works.back()->getFuture());
@@ -208,6 +202,24 @@ void Reducer::launch_chunk(size_t b) {
     });
   }
   if (device) device->bucket_done(record_->slot, b, bucket.future);
+}
+
+WorkPtr Reducer::launch_reduction(size_t b, at::Tensor& flat, size_t chunk, size_t chunks,
+                                  std::shared_ptr<std::atomic<int64_t>> done) {
+  Bucket& bucket = set_.buckets[b];
+  if (sharded_) {  // See Note [Sharded buckets]
+    auto label = [b] { return "pyreducer.reduce_scatter.bucket_" + std::to_string(b); };
+    return shard_backend_
+               ? reduce_scatter_sum_async(shard_backend_, bucket.shard, flat, std::move(done), label)
+               : reduce_scatter_sum_async(group_, bucket.shard, flat, std::move(done), label);
+  }
+  auto label = [b, chunk, chunks] {
+    return "pyreducer.allreduce.bucket_" + std::to_string(b) +
+           (chunks > 1 ? ".chunk_" + std::to_string(chunk) : std::string());
+  };
+  return bucket.sparse && sparse_backend_
+             ? allreduce_sum_async(sparse_backend_, flat, std::move(done), label)
+             : allreduce_sum_async(group_, flat, std::move(done), label);
 }
 
 void Reducer::launch_used_map_allreduce() {
@@ -336,32 +348,6 @@ void Reducer::complete_all() {
   noting_errors([&] { complete_all_locked(); });
 }
 
-bool Reducer::used_map_pending() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return static_cast<bool>(deferred_used_map_work_);
-}
-
-std::vector<int64_t> Reducer::pending_buckets() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<int64_t> pending;
-  for (size_t b = 0; b < awaiting_.size(); ++b) {
-    if (awaiting_[b]) pending.push_back(static_cast<int64_t>(b));
-  }
-  return pending;
-}
-
-void Reducer::set_deferred_completion(bool deferred, std::function<void()> on_deferred) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  // Read when a backward ends: armed by a forward whose backward has not started is fine.
-  if (finalize_queued_ || backward_started_ || num_ready_ > 0) {
-    throw std::runtime_error("pyreducer: deferred completion can only be switched between "
-                             "iterations (not during a backward or before its end)");
-  }
-  if (!deferred) complete_all_locked();
-  deferred_ = deferred;
-  on_deferred_ = deferred ? std::move(on_deferred) : std::function<void()>();
-}
-
 void Reducer::wait_bucket(size_t b) {
   Bucket& bucket = set_.buckets[b];
   if (bucket.skipped) return;
@@ -369,7 +355,8 @@ void Reducer::wait_bucket(size_t b) {
   if (!bucket.future) {
     for (size_t k = 0; k < bucket.works.size(); ++k) {
       wait_or_throw(bucket.works[k], group_,
-                    "all-reduce of bucket " + std::to_string(b) +
+                    std::string(sharded_ ? "reduce-scatter" : "all-reduce") + " of bucket " +
+                        std::to_string(b) +
                         (bucket.works.size() > 1 ? " (chunk " + std::to_string(k) + " of " +
                                                        std::to_string(bucket.works.size()) + ")"
                                                  : std::string()));
@@ -421,8 +408,9 @@ void Reducer::wait_bucket(size_t b) {
 void Reducer::copy_out_bucket(size_t b) {
   at::NoGradGuard no_grad;
   Bucket& bucket = set_.buckets[b];
-  // A skipped bucket leaves its gradients as they are; a sparse one was reduced in .grad itself.
-  if (bucket.skipped || bucket.sparse) return;
+  // A skipped bucket leaves its gradients as they are; a sparse one was reduced in .grad itself;
+  // a sharded one's sum is in no rank's whole (see Note [Sharded buckets]).
+  if (bucket.skipped || bucket.sparse || sharded_) return;
   std::vector<at::Tensor> grads;  // defined gradients with row-major slots: one fused copy
   std::vector<int64_t> offsets;
   for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
@@ -477,7 +465,7 @@ void Reducer::install_plan(const std::vector<std::vector<int64_t>>& plan) {
     if (!bucket.flat.defined() || bucket.flat.device().is_cpu()) continue;
     for (const c10::Stream& stream : bucket.wait_streams) bucket.flat.record_stream(stream);
   }
-  set_ = make_buckets(params_, param_names_, plan, sparse_);  // validates before anything changes
+  set_ = make_buckets(params_, param_names_, plan, sparse_, sharded_ ? world_size_ : 1);  // validates before anything changes
   launch_order_.resize(set_.buckets.size());
   std::iota(launch_order_.begin(), launch_order_.end(), 0);  // See Note [Launch order]
   chunks_.assign(set_.buckets.size(), 1);

@@ -120,8 +120,86 @@ void Reducer::set_sparse_backend(BackendPtr backend) {
   sparse_backend_ = std::move(backend);
 }
 
+bool Reducer::used_map_pending() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<bool>(deferred_used_map_work_);
+}
+
+std::vector<int64_t> Reducer::pending_buckets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> pending;
+  for (size_t b = 0; b < awaiting_.size(); ++b) {
+    if (awaiting_[b]) pending.push_back(static_cast<int64_t>(b));
+  }
+  return pending;
+}
+
+void Reducer::set_deferred_completion(bool deferred, std::function<void()> on_deferred) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Read when a backward ends: armed by a forward whose backward has not started is fine.
+  if (finalize_queued_ || backward_started_ || num_ready_ > 0) {
+    throw std::runtime_error("pyreducer: deferred completion can only be switched between "
+                             "iterations (not during a backward or before its end)");
+  }
+  if (!deferred) complete_all_locked();
+  deferred_ = deferred;
+  on_deferred_ = deferred ? std::move(on_deferred) : std::function<void()>();
+}
+
+void Reducer::set_sharded(bool sharded, BackendPtr backend) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (finalize_queued_ || backward_started_ || num_ready_ > 0 || num_awaiting_ > 0) {
+    throw std::runtime_error("pyreducer: sharding can only be switched between iterations, with "
+                             "no reduction pending");
+  }
+  if (sharded && comm_hook_) {
+    throw std::runtime_error("pyreducer: sharded buckets are reduce-scattered, but the "
+                             "communication hook " + comm_hook_->name() + " all-reduces them");
+  }
+  for (size_t i = 0; sharded && i < sparse_.size(); ++i) {
+    if (sparse_[i]) {
+      throw std::runtime_error("pyreducer: sharded buckets cannot hold " + param_names_[i] +
+                               ", which produces sparse gradients");
+    }
+  }
+  const bool rebuild = rebuild_pending_;
+  const std::vector<int64_t> ready_order = ready_order_;
+  std::vector<std::vector<int64_t>> plan;
+  for (const Bucket& bucket : set_.buckets) plan.push_back(bucket.param_indices);
+  sharded_ = sharded;
+  shard_backend_ = sharded ? std::move(backend) : BackendPtr();
+  install_plan(plan);  // the same buckets, padded (or not), launch order reset
+  rebuild_pending_ = rebuild;
+  ready_order_ = ready_order;
+}
+
+bool Reducer::sharded() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return sharded_;
+}
+
+std::vector<at::Tensor> Reducer::shard_buffers() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<at::Tensor> shards;
+  for (const Bucket& bucket : set_.buckets) shards.push_back(bucket.shard);
+  return shards;
+}
+
+std::vector<int64_t> Reducer::globally_unused() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> unused;
+  for (size_t i = 0; i < globally_unused_.size(); ++i) {
+    if (globally_unused_[i]) unused.push_back(static_cast<int64_t>(i));
+  }
+  return unused;
+}
+
 void Reducer::register_comm_hook(std::shared_ptr<CommHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (sharded_) {
+    throw std::runtime_error("pyreducer: a communication hook all-reduces buckets, but they are "
+                             "sharded (reduce-scattered: see Note [Sharded buckets])");
+  }
   if (comm_hook_) {
     throw std::runtime_error(
         "register_comm_hook or register_builtin_comm_hook can only be called once. (pyreducer: " +
@@ -198,13 +276,16 @@ void Reducer::set_launch_order(const std::vector<int64_t>& order,
   }
   for (size_t b = 0; b < count; ++b) {
     const Bucket& bucket = set_.buckets[b];
-    const int64_t most = (bucket.sparse || comm_hook_) ? 1 : std::max<int64_t>(1, bucket.flat.numel());
+    const int64_t most =
+        (bucket.sparse || comm_hook_ || sharded_) ? 1 : std::max<int64_t>(1, bucket.flat.numel());
     if (counts[b] < 1 || counts[b] > most) {
       throw std::invalid_argument(
           "launch order: bucket " + std::to_string(b) + " can be split into 1 to " +
           std::to_string(most) + " chunks" +
-          (bucket.sparse ? " (sparse)" : comm_hook_ ? " (a communication hook sees whole buckets)"
-                                                    : " (its element count)") +
+          (bucket.sparse      ? " (sparse)"
+           : comm_hook_     ? " (a communication hook sees whole buckets)"
+           : sharded_       ? " (sharded: one reduce-scatter per bucket)"
+                            : " (its element count)") +
           ", got " + std::to_string(counts[b]));
     }
   }

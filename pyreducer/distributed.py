@@ -26,6 +26,7 @@ from pyreducer._ext import _C
 from pyreducer.ddp_logging import DDPLogger
 from pyreducer.delayed import DelayedAllReduce
 from pyreducer.overlap import OverlapOptimizer
+from pyreducer.sharded import ShardedOptimizer
 from pyreducer.join import (ReducerJoinHook, find_common_rank, refuse_unjoinable,
                             vote_backward_sync)
 from pyreducer.params import ReducedParams, reduced_parameters
@@ -255,6 +256,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         joined_work = Join.notify_join_context(self)
         if synced:
             self._logger.before_synced_forward(self._has_rebuilt_buckets)
+        if torch.is_grad_enabled() and self.reducer.rebuild_pending() and self._overlap:
+            self._overlap.before_plan_change()
         if torch.is_grad_enabled() and self.reducer.rebuild_buckets():  # once, after the
             self._has_rebuilt_buckets = True                             # first synced backward
         if self.require_forward_param_sync and self.forward_sync_buffers:
@@ -342,18 +345,15 @@ class DistributedDataParallel(nn.Module, Joinable):
                                        overlap=self._overlap.events if self._overlap else None)
 
     def overlap_stats(self, last: int | None = None) -> dict:
-        """Overlap of communication with backward, per iteration and averaged, from the
-        recorded timeline (definitions: pyreducer.timeline)."""
+        """Overlap of communication with backward, per iteration and averaged (pyreducer.timeline)."""
         return timeline_module.overlap_stats(
             self.timeline(last if last is not None else 1 << 30))
 
     # -- communication hooks ---------------------------------------------------------------------
     def register_comm_hook(self, state: object, hook) -> None:
-        """torch DDP's interface: hook(state, bucket) -> torch.futures.Future[Tensor].
-
-        `bucket` offers buffer(), index(), is_last(), parameters(), gradients(), set_buffer();
-        the future's value is the reduced (averaged) bucket. Register before the first forward,
-        once. torch's hooks (torch.distributed.algorithms.ddp_comm_hooks) work unchanged. The
+        """torch DDP's interface: hook(state, bucket) -> torch.futures.Future[Tensor] (bucket:
+        buffer(), index(), is_last(), parameters(), gradients(), set_buffer(); the future's value:
+        the averaged bucket). Before the first forward, once; torch's hooks work unchanged. The
         hook runs with the GIL for its own call; the rest of the path stays in C++."""
         try:
             arguments.check_comm_hook(hook)
@@ -392,6 +392,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def apply_bucket_plan(self, plan) -> None:
         """Uses `plan` (parameter indices or names per bucket, launch order) from now on; call on
         every rank between iterations; rank 0's plan is the one applied."""
+        self._overlap.before_plan_change() if self._overlap else None
         self._tuning.apply_bucket_plan(plan)
 
     @property
@@ -431,16 +432,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.process_group
 
     # -- the overlapped optimizer (pyreducer/overlap.py) ----------------------------------------
-    def overlap_optimizer(self, optimizer, **options):
-        """An optimizer whose updates overlap the next forward, each bucket's with `optimizer`'s
-        math just before the next forward reads it (Note [Overlapped step], overlap.py). Options
-        (max_grad_norm, schedule, hold_back): OverlapOptimizer. Called again, it replaces the
-        previous one (its pending updates done first; its step() then raises)."""
+    def overlap_optimizer(self, optimizer, shard: bool = False, **options):
+        """An optimizer whose updates overlap the next forward (Note [Overlapped step],
+        overlap.py; options: OverlapOptimizer's); shard=True: its state and update sharded
+        (Note [Sharded step], pyreducer/sharded). Called again, it replaces the previous one."""
         arguments.refuse_overlap_with(join=self._join_config.enable,
                                       check_finite=self._reducer_settings["check_finite"])
-        self._overlap = OverlapOptimizer(optimizer, self.reducer, self._params, self.module,
-                                         tuning=self._tuning, autotune=self._autotune,
-                                         replacing=self._overlap, **options)
+        self._overlap = (ShardedOptimizer if shard else OverlapOptimizer)(
+            optimizer, self.reducer, self._params, self.module, tuning=self._tuning,
+            autotune=self._autotune, replacing=self._overlap, **options)
         if self._params.buffers() and self._params.world_size > 1:
             self._buffer_group = sync.side_group(self._params.process_group, self._params.device)
         return self._overlap

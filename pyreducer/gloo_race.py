@@ -47,15 +47,21 @@ def guard_sparse(reducer, params, group) -> bool:
 
 
 def sparse_backend(group):
+    """A new one-thread Gloo backend over `group`'s ranks for sparse buckets (collective)."""
+    return one_thread_backend(group, "sparse")
+
+
+def one_thread_backend(group, purpose: str):
     """A new one-thread Gloo backend over `group`'s ranks (collective: every rank of the group,
-    in the same order, as the wrappers are built)."""
+    in the same order, as the wrappers are built); `purpose` names its store prefix (the sparse
+    buckets', or a sharded optimizer's: pyreducer/sharded/comm.py)."""
     group = group if group is not None else dist.group.WORLD
     # a prefix no earlier backend of this process used: another wrapper, or a re-created group
     # of the same name, may rendezvous on the same store (every rank makes the same backends in
     # the same order)
     made = _made.get(group.group_name, 0)
     _made[group.group_name] = made + 1
-    store = dist.PrefixStore(f"pyreducer/sparse/{group.group_name}/{made}/",
+    store = dist.PrefixStore(f"pyreducer/{purpose}/{group.group_name}/{made}/",
                              dist.distributed_c10d._world.pg_map[group][1])  # the group's store
     options = dist.ProcessGroupGloo._Options()
     options._threads = 1

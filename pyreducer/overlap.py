@@ -305,6 +305,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.reducer.complete_all()
         self.fences.pass_all()
 
+    def before_plan_change(self) -> None:
+        """Before the wrapper installs a new bucket plan (the Reducer then completes what is
+        pending itself; a sharded optimizer does its updates first)."""
+
     def _set_barrier(self, barrier: bool) -> None:
         """Between iterations: torch DDP's step barrier (every reduction completes at the
         backward's end; step() updates everything at once) or the overlapped step."""
@@ -313,14 +317,18 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.reducer.set_deferred_completion(not barrier, self.on_deferred)
             self.barrier = barrier
 
-    def update_parameter(self, param: torch.Tensor) -> None:  # (kept eager: _keep_eager)
-        """A read of `param` is coming: its bucket is reduced (and updated if stepped) first."""
+    def update_parameter(self, param: torch.Tensor, func=None) -> None:  # (kept eager)
+        """A read of `param` (by torch function `func`) is coming: its bucket is reduced (and
+        updated if stepped) first."""
         if not self.busy:
             if param in self.fences:
                 self.fences.wait(param)
             b = self.bucket_of.get(id(param))
             if b is not None:
-                self._update(b, reading=param)
+                self._read(b, param, func)
+
+    def _read(self, b: int, param: torch.Tensor, func) -> None:
+        self._update(b, reading=param)
 
     def _update_all(self) -> None:
         for b in sorted(self.pending):

@@ -39,7 +39,7 @@ def _pending_torch_function(cls, func, types, args=(), kwargs=None):
     for value in _tensors_in(args, kwargs):
         overlap = getattr(value, "_pyreducer_overlap", None)
         if overlap is not None:
-            overlap.update_parameter(value)
+            overlap.update_parameter(value, func)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 

@@ -52,6 +52,18 @@ def tuning_text(tuning: dict | None) -> list[str]:
     return lines
 
 
+def memory_text(timelines: list[list[dict]]) -> list[str]:
+    """Lines on a sharded optimizer's memory per rank (its last recorded iteration's)."""
+    lines = []
+    for rank, timeline in enumerate(timelines):
+        memory = next((r["overlap"]["memory"] for r in reversed(timeline)
+                       if r.get("overlap", {}).get("memory")), None)
+        if memory:
+            lines.append(f"rank {rank} memory (sharded optimizer, MB): " + ", ".join(
+                f"{name.replace('_', ' ')} {value / 2**20:.2f}" for name, value in memory.items()))
+    return lines
+
+
 def summary_text(timelines: list[list[dict]], compiled: dict | None = None,
                  tuning: dict | None = None) -> str:
     lines = ["overlap of bucket all-reduces with backward (mean over recorded iterations, ms)",
@@ -76,6 +88,7 @@ def summary_text(timelines: list[list[dict]], compiled: dict | None = None,
                          ", ".join(f"{name} {ms:.2f}" for name, ms in list(waits.items())[:8]))
     lines += compiled_text(compiled)
     lines += tuning_text(tuning)
+    lines += memory_text(timelines)
     lines.append("definitions: pyreducer/timeline.py (and the README)")
     return "\n".join(lines)
 

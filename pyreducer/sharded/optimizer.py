@@ -1,0 +1,293 @@
+"""The sharded overlapped optimizer: `model.overlap_optimizer(optimizer, shard=True)` (Note
+[Sharded step] in pyreducer/sharded/__init__.py)."""
+from __future__ import annotations
+
+import collections
+import copy
+
+import torch
+
+from pyreducer import pending, subset_step
+from pyreducer._ext import _C
+from pyreducer.overlap import OverlapOptimizer
+from pyreducer.sharded import checks, clip, pieces as pieces_module
+from pyreducer.sharded.comm import ShardComm
+from pyreducer.sharded.layout import Layout, flat_view
+
+_GRAD_GET = torch.Tensor.grad.__get__
+
+
+class ShardedOptimizer(OverlapOptimizer):
+    """An overlapped optimizer whose state and update are sharded across the ranks (Note
+    [Sharded step]): each bucket is reduce-scattered, each rank steps the elements it owns with
+    the wrapped optimizer's class and settings, and all-gathers the bucket's parameters, which
+    the next forward waits for parameter by parameter.
+
+    Args as OverlapOptimizer's, but the schedule is "fifo" (whole buckets: one reduce-scatter
+    each; hold_back applies), and every optimizer parameter must be one the wrapper reduces. The optimizer's class
+    must update elementwise (checks.ELEMENTWISE); its state moves into the shards (a state it
+    already holds, e.g. a loaded checkpoint, is cut into them).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, reducer, params, module,
+                 max_grad_norm: float | None = None, hold_back: int = 0, schedule: str = "fifo",
+                 tuning=None, autotune=None, replacing=None):
+        checks.check_sharded(optimizer, params, schedule, autotune)
+        whole = checks.whole_state(optimizer, params)  # a state it holds, in torch's format
+        super().__init__(optimizer, reducer, params, module, max_grad_norm=max_grad_norm,
+                         hold_back=hold_back, schedule="fifo", tuning=tuning, autotune=autotune,
+                         replacing=replacing)
+        self.comm = ShardComm(params.process_group)  # (collective on Gloo: a backend made)
+        reducer.set_sharded(True, self.comm.backend)
+        self.index = {id(p): i for i, p in enumerate(params.tensors)}
+        self.due = False  # a synced backward's reduced shards wait for step() (or zero_grad())
+        self.gathers: dict[int, tuple] = {}  # bucket -> (its parameters' all-gather in flight,
+        # its timeline event)
+        self.flats: list[torch.Tensor] = []
+        self.layout: Layout | None = None
+        self.inner = self._make_inner()
+        self.pieces = pieces_module.Pieces(self.inner, params.tensors)
+        self._follow_plan()
+        self.pieces.load_whole(whole)
+        optimizer.state.clear()  # its whole state now lives in the shards
+
+    def _make_inner(self) -> torch.optim.Optimizer:
+        """An optimizer of the wrapped one's class and instance settings over the pieces (its
+        param groups mirror the wrapped one's, in order; their parameters are set by Pieces)."""
+        inner = copy.copy(self.optimizer)
+        inner.state = collections.defaultdict(dict)
+        inner.param_groups = []
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            if hasattr(inner, name):
+                setattr(inner, name, collections.OrderedDict())
+        for group in self.optimizer.param_groups:
+            inner.add_param_group({**{k: v for k, v in group.items() if k != "params"},
+                                   "params": []})
+        return inner
+
+    def _follow_plan(self) -> None:
+        """The pieces of the Reducer's current buckets: on a new plan (a rebuild), the state
+        moves to the new pieces (collective, on every rank at the same step)."""
+        layout_now = [entry["param_indices"] for entry in self.reducer.bucket_layout()]
+        layout = Layout(layout_now, [p.numel() for p in self.params.tensors],
+                        self.comm.world_size, self.comm.rank)
+        self.flats = self.reducer.bucket_buffers()
+        if layout.same_as(self.layout):
+            self.pieces.rebind(self.flats)
+            return
+        self.pieces.move_to(layout, self.flats, self.comm, self.optimizer.param_groups)
+        self.layout = layout
+
+    # -- the optimizer interface -----------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Records the update of every bucket reduced by the last synced backward: stepped,
+        shard by shard, when the next forward first reads a parameter (or now, when nothing
+        waits for a read). RuntimeError when no reduced gradients wait for a step."""
+        if closure is not None:
+            raise ValueError("overlap_optimizer: step(closure) is not supported (the update is "
+                             "split into buckets run during the next forward)")
+        if self.removed:
+            raise RuntimeError("overlap_optimizer: this overlapped optimizer was replaced by "
+                               "another (model.overlap_optimizer called again): step that one")
+        if self.stepped:  # a previous step's updates, if no forward ran since
+            self.synchronize()
+        if not self.due:
+            raise RuntimeError(
+                f"overlap_optimizer(shard=True): step() on rank {self.comm.rank} without "
+                "reduced gradients to step: each synced backward's gradients are stepped once "
+                "(their shards are consumed by the step, or dropped by zero_grad())")
+        self._step_hooks(self.optimizer._optimizer_step_pre_hooks)
+        self.fences.pass_all()
+        self.settings = subset_step.Settings(self.optimizer)
+        self.pieces.assign_groups(self.optimizer.param_groups)  # a group added since
+        self.stepped = True
+        if not self.pending:  # every parameter was read since the backward: step now
+            self.synchronize()
+        self._step_done()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True, params=None) -> None:
+        """As OverlapOptimizer.zero_grad; before step() (a skipped step) the reduced shards are
+        dropped: no step follows from them."""
+        if self.due and not self.stepped:
+            self.reducer.complete_all()
+            self._release_all()
+            self.due = False
+        super().zero_grad(set_to_none, params)
+
+    @property
+    def state(self):
+        """The wrapped optimizer's state: empty, its state lives in the shards (state_dict()
+        gathers it whole; shard_state_bytes() measures this rank's)."""
+        return self.optimizer.state if "optimizer" in self.__dict__ else {}
+
+    @state.setter
+    def state(self, value) -> None:
+        if "optimizer" in self.__dict__:
+            self.optimizer.state = value
+
+    def state_dict(self):
+        """The whole state in torch's format (a plain optimizer of the same class loads it).
+        Collective: every rank calls it (each gets the whole state)."""
+        self.synchronize()
+        return self.pieces.whole_state_dict(self.optimizer, self.comm)
+
+    def load_state_dict(self, state_dict) -> None:
+        """Loads torch's format (a plain optimizer's checkpoint, or state_dict()'s) or a
+        sharded checkpoint (sharded_state_dict()'s, same world size). Collective when a sharded
+        checkpoint's buckets differ from the current ones."""
+        self.synchronize()
+        self.pieces.load_state_dict(state_dict, self.optimizer, self.comm)
+        self.param_groups = self.optimizer.param_groups
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's pieces of the state, with what locates them (no collective)."""
+        self.synchronize()
+        return self.pieces.sharded_state_dict(self.optimizer)
+
+    def shard_state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state tensors."""
+        return self.pieces.state_bytes()
+
+    def memory_bytes(self) -> dict:
+        """This rank's memory, by what holds it: parameters, gradients (the .grad tensors not
+        aliasing a bucket), the bucket buffers, their reduce-scattered shards, optimizer
+        state."""
+        return pieces_module.memory_bytes(self.params.tensors, self.reducer,
+                                          self.pieces.state_bytes())
+
+    # -- reductions and updates ------------------------------------------------------------------
+    def _backward_ended(self) -> None:
+        super()._backward_ended()
+        if self.pending:
+            self.due = True
+            self.gathers.clear()
+
+    def forward_starting(self, tune: bool) -> None:
+        if tune and self.due and not self.stepped:
+            raise RuntimeError(
+                f"overlap_optimizer(shard=True): a synced forward on rank {self.comm.rank} "
+                "while the last synced backward's gradients wait for step(): each rank holds "
+                "1/N of them, which the next backward would overwrite. Call optimizer.step() "
+                "or zero_grad() first, or accumulate under model.no_sync()")
+        super().forward_starting(tune)
+
+    def before_plan_change(self) -> None:
+        """Before the wrapper rebuilds its buckets: every pending update done (the shards and
+        buffers are replaced)."""
+        self.synchronize()
+
+    def _read(self, b: int, param: torch.Tensor, func) -> None:
+        """A read of `param` (bucket b): after step(), the update runs; before, a read of its
+        .grad is refused, any other read sees the unchanged value."""
+        if self.stepped:
+            self._run_updates()
+            self._finish(b, reading=param)
+        elif func == _GRAD_GET:  # (a new method-wrapper at each access: ==, not is)
+            raise RuntimeError(
+                f"overlap_optimizer(shard=True): {self.params.names[self.index[id(param)]]}.grad "
+                f"was read on rank {self.comm.rank} between backward and step(): its averaged "
+                "gradient exists only as shards (each rank reduced 1/N). Clip with "
+                "max_grad_norm=, or use shard=False to read averaged gradients")
+
+    def synchronize(self) -> None:
+        """After step(): every update done and every parameter gathered. Before: the
+        reductions completed, the shards kept for step()."""
+        if self.stepped:
+            self._run_updates()
+            for b in sorted(self.pending):
+                self._finish(b)
+        else:
+            self.reducer.complete_all()
+            self._release_all()
+        self.fences.pass_all()
+
+    def _release_all(self) -> None:
+        """Every pending parameter wears its own class again (its value is unchanged)."""
+        for b in sorted(self.pending):
+            self._release(b)
+
+    def _release(self, b: int) -> list[torch.Tensor]:
+        group = self.pending.pop(b)
+        for p in group:
+            del self.bucket_of[id(p)]
+            pending.take_off(p)
+        return group
+
+    def _run_updates(self) -> None:
+        """Steps every reduced bucket's shard and launches its all-gather, first-read buckets
+        first (the forward reads the last buckets first); once per step(), on every rank in
+        the same order."""
+        if not self.due:
+            return
+        self.due = False
+        self.busy = True
+        try:
+            with subset_step.as_step(self.fences.device):
+                self._follow_plan()
+                if self.current is not None:  # (the timeline's record of this iteration)
+                    self.current["memory"] = self.memory_bytes()
+                order = sorted(range(len(self.flats)), reverse=True)
+                if self.max_grad_norm is not None:  # every bucket reduced first
+                    self.reducer.complete_all()
+                    self.pieces.take_grads(order, self.reducer.shard_buffers(),
+                                           set(self.reducer.globally_unused()))
+                    stepped = [self.index[id(p)] for g in self.optimizer.param_groups
+                               for p in g["params"]]
+                    clip.clip(self.pieces, stepped, self.max_grad_norm, self.comm)
+                for b in order:
+                    self._update_bucket(b)
+        finally:
+            self.busy = False
+
+    def _update_bucket(self, b: int) -> None:
+        event = dict(bucket=b, read_ns=_C.Reducer.now_ns(), reduced_ns=0, updated_ns=0,
+                     module=self.running[-1] if self.running else None)
+        if self.current is not None:
+            self.current["updates"].append(event)
+        self.reducer.complete_bucket(b)
+        event["reduced_ns"] = _C.Reducer.now_ns()
+        if self.max_grad_norm is None:  # (the unused map is resolved for bucket b's parameters)
+            self.pieces.take_grads([b], self.reducer.shard_buffers(),
+                                   set(self.reducer.globally_unused()))
+        members = self.pieces.load_values(b)
+        subset_step.step_subset(self.inner, members, self.settings)
+        event["updated_ns"] = event["gather_launch_ns"] = _C.Reducer.now_ns()
+        self.gathers[b] = (self.comm.all_gather(self.flats[b], self.pieces.own_region(b)), event)
+
+    def _finish(self, b: int, reading: torch.Tensor | None = None) -> None:
+        """Bucket b's all-gather waited for, its parameters written, their gradients zeroed as
+        zero_grad() asked, else set to None (no rank holds their average)."""
+        if b not in self.pending:
+            return
+        work, event = self.gathers.pop(b, (None, None))
+        if work is not None:
+            self.comm.wait(work, f"all-gather of bucket {b}'s parameters")
+            event["gathered_ns"] = _C.Reducer.now_ns()
+        group = self._release(b)
+        self.busy = True
+        try:
+            with torch.no_grad():
+                self.pieces.write_back(b, self.flats[b])
+        finally:
+            self.busy = False
+        for p in group:  # no zero_grad() since step(): None, as if it was called
+            set_to_none = self.to_zero.pop(id(p), True)  # (Note [Sharded step])
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        if not self.pending:
+            self.stepped = False
+
+    def remove(self) -> None:
+        """Detaches this optimizer (model.overlap_optimizer called again): the wrapped
+        optimizer gets the whole state back (collective), the buckets are all-reduced again."""
+        whole = self.state_dict()
+        super().remove()
+        self.reducer.set_sharded(False, None)
+        self.optimizer.load_state_dict(whole)

@@ -61,12 +61,13 @@ test-netem: build
 # and mixed precision (the ops), the overlapped optimizer (torch's optimizers' internals), compiled
 # models (dynamo's internals, pyreducer/compiled/dynamo.py; about 2 more minutes), the sparse
 # buckets' one-thread Gloo backend (torch's semi-private ProcessGroupGloo options and group
-# table: pyreducer/gloo_race.py). The rest of the suite exercises the same code on any build.
+# table: pyreducer/gloo_race.py), the sharded optimizer (torch's optimizers' state and Gloo's
+# reduce-scatter). The rest of the suite exercises the same code on any build.
 VERSION_LAYERS := tests/unit tests/multirank/test_parity.py tests/multirank/test_plan_matches_ddp.py \
     tests/multirank/test_ddp_private_api.py tests/multirank/test_torch_suite.py \
     tests/multirank/test_comm_hooks.py tests/multirank/test_mixed_precision.py \
     tests/multirank/test_overlap.py tests/multirank/test_compiled.py \
-    tests/multirank/test_gloo_race.py
+    tests/multirank/test_gloo_race.py tests/multirank/test_sharded.py
 
 # The CUDA build, checked without a GPU: a separate venv with torch's CUDA 13.0 build (the newest
 # supported torch), the extension compiled with its CUDA kernels (csrc/cuda) for CUDA_ARCHS by the

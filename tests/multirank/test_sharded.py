@@ -3,7 +3,8 @@ torch DDP + the same unsharded optimizer: same seed, same data, the same loop; p
 gradients and the gathered optimizer state (state_dict(), torch's format) after the steps. Bit for
 bit at 2 ranks (a reduce-scatter's sums are a + b there; a clip's norms are taken over whole
 gradients: Note [Clipping shards]), except torch's fused CPU AdamW (its vectorized body and scalar
-tail round some elements differently, and pieces move where the tail falls): within 1e-6. At 3 ranks within 1e-6 (the backend's summation order).
+tail round some elements differently, and pieces move where the tail falls): within 1e-6. At 3 and 4 ranks within 1e-6 (the backend's reduce-scatter may sum in another order than its
+all-reduce).
 Checkpoints: the sharded one resumed on the same buckets and on others (gathered and cut again),
 the gathered one resumed, and the gathered one loaded by a plain torch optimizer. Also that the
 updates run in the next forward, the memory is ~1/N, and what is refused, by name."""
@@ -78,7 +79,7 @@ def _as_state_dict(result):
     return dict(state=result["state"], param_groups=result["param_groups"])
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=["2ranks", "3ranks", "4ranks"])
 def trained(request, ranks_once):
     return request.param, ranks_once(sharded_worker, request.param, (tuple(CASES),))
 

@@ -71,7 +71,7 @@ def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
     _, make_batch, loss_fn = _model_fns(case["model"])
     model, opt, scheduler = _build(cls, copy.deepcopy(base), case, ours)
     gen = torch.Generator().manual_seed(1000 + rank)
-    deferred, updates_in_forward = [], 0
+    deferred, updates_in_forward, snapshot = [], 0, {}
     for step in range(STEPS):
         if step == resume_at:
             saved = _round_trip(dict(
@@ -98,6 +98,8 @@ def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
         opt.step()
         if scheduler:
             scheduler.step()
+        if case.get("read_after_step"):  # a read outside the forward: the update runs first
+            snapshot = {k: v.clone() for k, v in model.module.state_dict().items()}
         opt.zero_grad(set_to_none=case.get("set_to_none", True))
         if ours and step > 0:
             events = opt.events(model.reducer.num_iterations - 1) or {}
@@ -114,7 +116,7 @@ def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
                for k, s in state["state"].items()},
         groups=[{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
         param_groups=state["param_groups"],
-        deferred=deferred, updates_in_forward=updates_in_forward,
+        deferred=deferred, updates_in_forward=updates_in_forward, snapshot=snapshot,
         memory=opt.memory_bytes() if ours else _torch_memory(opt))
 
 

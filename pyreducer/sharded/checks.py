@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from pyreducer.sharded import state as state_module
 from pyreducer.sharded.layout import flat_view
@@ -35,6 +36,11 @@ def check_sharded(optimizer, params, schedule, autotune) -> None:
         if group.get("differentiable"):
             raise ValueError("overlap_optimizer(shard=True): differentiable=True optimizers "
                              "are not stepped in shards")
+    if params.tensors and params.device.type != "cpu" and \
+            dist.get_backend(params.process_group) == "gloo":
+        raise ValueError(f"overlap_optimizer(shard=True): the parameters are on "
+                         f"{params.device}, and Gloo's reduce-scatter takes CPU tensors only: "
+                         "use NCCL for GPU parameters (or shard=False)")
     reduced = {id(p) for p in params.tensors}
     for index, group in enumerate(optimizer.param_groups):
         for p in group["params"]:

@@ -63,8 +63,10 @@ def one_rank_worker(rank, world_size):
     auto = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=_fast_probe())
     _steps(auto, device, 8, 2)
     out["autotune_log"] = auto.autotune_log
+    from overlap_workers import sharded_worker
+
     for name, part in (("big_bucket", big_bucket_worker), ("check_finite", check_finite_worker),
-                       ("sparse_error", sparse_on_nccl_worker)):
+                       ("sparse_error", sparse_on_nccl_worker), ("sharded", sharded_worker)):
         out[name] = _part(part, rank, world_size)
     return out
 

@@ -224,3 +224,46 @@ def side_streams_worker(rank, world_size):
     return dict(two_stream_forward=two_stream_forward_worker(rank, world_size),
                 early_read=early_read_worker(rank, world_size),
                 unread_completion=unread_completion_worker(rank, world_size))
+
+
+def sharded_worker(rank, world_size):
+    """overlap_optimizer(shard=True) on the GPU (pyreducer/sharded): on NCCL, the reduce-scatter
+    launched by the Reducer and the all-gathers of the sharded step, against torch DDP + the same
+    AdamW (and a clip), 6 steps, parameters and the gathered state; on Gloo, whose reduce-scatter
+    takes CPU tensors only, the refusal by name."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    device = rank_device(rank)
+    torch.cuda.set_device(device)
+    torch.manual_seed(5)
+    base = _overlap_model("plain")
+    if dist.get_backend() == "gloo":
+        model = DistributedDataParallel(copy.deepcopy(base).to(device), device_ids=[device.index])
+        try:
+            model.overlap_optimizer(torch.optim.AdamW(model.parameters()), shard=True)
+            return dict(refused=None)
+        except ValueError as error:
+            return dict(refused=str(error))
+    out = {}
+    for name in ("torch", "ours"):
+        cls = TorchDDP if name == "torch" else DistributedDataParallel
+        model = cls(copy.deepcopy(base).to(device), device_ids=[device.index], bucket_cap_mb=0.3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        if name == "ours":
+            opt = model.overlap_optimizer(opt, shard=True, max_grad_norm=0.5)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(6):
+            model(torch.randn(16, 256, generator=gen).to(device)).pow(2).mean().backward()
+            if name == "torch":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        state = opt.state_dict()["state"]  # (collective with shard=True)
+        torch.cuda.synchronize(device)
+        out[name] = [p.detach().cpu().clone() for p in model.parameters()] + [
+            v.detach().cpu().clone() for k in sorted(state) for v in state[k].values()
+            if torch.is_tensor(v)]
+    return out

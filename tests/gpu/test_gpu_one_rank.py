@@ -120,3 +120,10 @@ def test_sparse_gradients_are_refused_on_nccl(run):
     error = _part(run, "sparse_error")
     assert error is not None and "NCCL does not support all_reduce with sparse" in error
     assert "embed.weight" in error
+
+
+def test_sharded_optimizer_matches_torch_ddp_on_nccl(run):
+    """overlap_optimizer(shard=True) at world size 1 on NCCL: its reduce-scatter and all-gathers
+    run (on one rank a shard is the whole bucket); parameters and state as torch DDP's."""
+    part = _part(run, "sharded")
+    assert _equal(part["ours"], part["torch"])

@@ -65,9 +65,21 @@ def one_thread_backend(group, purpose: str):
                              dist.distributed_c10d._world.pg_map[group][1])  # the group's store
     options = dist.ProcessGroupGloo._Options()
     options._threads = 1
-    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    options._devices = _devices(group)
     options._timeout = _timeout(group)
     return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), options)
+
+
+def _devices(group) -> list:
+    """The group's own Gloo devices (its interface: GLOO_SOCKET_IFNAME, or the hostname's
+    address, as torch chose it for the group), else the default device. Not the default device
+    alone: where the hostname resolves to loopback (hosts in network namespaces, some cluster
+    nodes) the backend could not connect across hosts."""
+    try:
+        devices = list(group._get_backend(torch.device("cpu")).options._devices)
+    except (AttributeError, RuntimeError):
+        devices = []
+    return devices or [dist.ProcessGroupGloo.create_default_device()]
 
 
 def _timeout(group) -> timedelta:

@@ -1,5 +1,6 @@
 """A rank for tests/netem/test_netem.py: rendezvous over the emulated network, time an all-reduce of
-SIZE_MB, train two pyreducer steps, and (rank 0) write the results as JSON to argv[1]."""
+SIZE_MB, train two pyreducer steps, then two with a sharded optimizer (its one-thread Gloo backend
+across the hosts), and (rank 0) write the results as JSON to argv[1]."""
 import json
 import os
 import sys
@@ -35,10 +36,22 @@ if __name__ == "__main__":
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     gathered = [torch.zeros_like(grads) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, grads)
+    # the sharded optimizer: its one-thread Gloo backend connects across the hosts
+    model = DistributedDataParallel(spec.build(), bucket_cap_mb=0.1)
+    opt = model.overlap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), shard=True)
+    for _ in range(2):
+        spec.loss(model, spec.batch(gen, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    sharded = [torch.zeros_like(params) for _ in range(dist.get_world_size())]
+    dist.all_gather(sharded, params)
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(dict(allreduce_s=seconds, sum_ok=bool(data[0].item() == 2 * dist.get_world_size()),
                            grads_equal=all(torch.equal(g, gathered[0]) for g in gathered),
+                           sharded_equal=all(torch.equal(p, sharded[0]) for p in sharded),
                            interface=os.environ["GLOO_SOCKET_IFNAME"]), f)
     dist.destroy_process_group()
     # Skip interpreter teardown: torch 2.13 + Gloo was seen to abort there ("terminate called

@@ -105,8 +105,10 @@ def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
             events = opt.events(model.reducer.num_iterations - 1) or {}
             updates_in_forward += sum(1 for e in events.get("updates", ())
                                       if e["module"] is not None)
+    last = {}
     if ours:
         model.synchronize()
+        last = model.timeline(1)[-1].get("overlap") or {}  # the last step's updates
     state = opt.state_dict()  # (collective with shard=True: every rank gathers)
     return dict(
         params={n: p.detach().clone() for n, p in model.module.named_parameters()},
@@ -117,6 +119,7 @@ def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
         groups=[{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
         param_groups=state["param_groups"],
         deferred=deferred, updates_in_forward=updates_in_forward, snapshot=snapshot,
+        last_overlap=last,
         memory=opt.memory_bytes() if ours else _torch_memory(opt))
 
 

@@ -84,3 +84,12 @@ def test_norm_of_a_view_in_memory_order(numel, start):
     whole = piece.clone().view(-1, 1)  # the gradient as torch holds it
     assert torch.equal(torch.linalg.vector_norm(piece), torch.linalg.vector_norm(whole))
     assert torch.equal(torch._foreach_norm([piece])[0], torch.linalg.vector_norm(whole))
+
+
+def test_report_lists_the_sharded_memory_per_rank():
+    from pyreducer.observe.report import memory_text
+
+    memory = dict(parameters=2**20, optimizer_state=2**19)
+    timelines = [[dict(overlap=dict(memory=memory))], [dict()]]
+    lines = memory_text(timelines)
+    assert lines == ["rank 0 memory (sharded optimizer, MB): parameters 1.00, optimizer state 0.50"]

@@ -317,11 +317,32 @@ void bind_completion(Class& reducer) {
       .def("complete_all", &Reducer::complete_all, RELEASE)
       .def("pending_buckets", &Reducer::pending_buckets, RELEASE)
       .def("used_map_pending", &Reducer::used_map_pending, RELEASE)
-      .def("set_sharded", &Reducer::set_sharded, py::arg("sharded"), py::arg("backend"), RELEASE,
-           "See Note [Sharded buckets] in csrc/reducer.h.")
+      .def("set_sharded", &Reducer::set_sharded, py::arg("sharded"), py::arg("backend"),
+           py::arg("ring") = nullptr, RELEASE, "See Note [Sharded buckets] in csrc/reducer.h.")
       .def_property_readonly("sharded", py::cpp_function(&Reducer::sharded, RELEASE))
       .def("shard_buffers", &Reducer::shard_buffers, RELEASE)
       .def("globally_unused", &Reducer::globally_unused, RELEASE);
+}
+
+// Ring collectives for sharded buckets on Gloo (see Note [Ring collectives on Gloo] in ring.h).
+void bind_ring(py::module_& m) {
+  const auto RELEASE = py::call_guard<py::gil_scoped_release>();
+  py::class_<RingJob, std::shared_ptr<RingJob>>(m, "RingJob")
+      .def("wait", &RingJob::wait, RELEASE)
+      .def("is_completed", &RingJob::done, RELEASE);
+  py::class_<RingCollectives, std::shared_ptr<RingCollectives>>(
+      m, "RingCollectives", py::release_gil_before_calling_cpp_dtor())
+      .def(py::init([](BackendPtr backend, int64_t timeout_ms) {
+             return std::make_shared<RingCollectives>(std::move(backend),
+                                                      std::chrono::milliseconds(timeout_ms));
+           }),
+           py::arg("backend"), py::arg("timeout_ms"))
+      .def("all_gather", &RingCollectives::all_gather, py::arg("flat"), py::arg("what"), RELEASE)
+      .def("reduce_scatter",
+           [](RingCollectives& ring, at::Tensor flat, at::Tensor shard, std::string what) {
+             return ring.reduce_scatter(std::move(flat), std::move(shard), std::move(what));
+           },
+           py::arg("flat"), py::arg("shard"), py::arg("what"), RELEASE);
 }
 
 void bind_reducer(py::module_& m) {
@@ -388,5 +409,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pyreducer::bind_planner(m);
   pyreducer::bind_options(m);
   pyreducer::bind_grad_bucket(m);
+  pyreducer::bind_ring(m);
   pyreducer::bind_reducer(m);
 }

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,8 @@
 #include "comm.h"
 
 namespace pyreducer {
+
+class RingJob;  // ring.h
 
 struct Bucket {
   // The bucket: one buffer, all-reduced as a whole. A sparse bucket (one parameter that produces
@@ -45,6 +48,8 @@ struct Bucket {
   // Sharded buckets (see Note [Sharded buckets] in reducer.h): this rank's 1/world_size of the
   // reduce-scattered sum, elements [rank * n, (rank + 1) * n) of flat; undefined otherwise.
   at::Tensor shard;
+  std::shared_ptr<RingJob> ring_job;  // its reduce-scatter in a ring (see Note [Ring collectives
+                                      // on Gloo] in ring.h); null otherwise
   std::vector<c10::Stream> copy_streams;  // see Note [Streams of a bucket]
   // Non-CPU: the streams made to wait for its reductions (Reducer::wait_bucket), on which the
   // buffer must be recorded before it is freed (Reducer::install_plan).

@@ -458,6 +458,7 @@ void Reducer::reset_iteration(bool keep_reductions) {
                                     // at the next launch, see launch_ready_buckets)
     bucket.works.clear();
     bucket.future.reset();
+    bucket.ring_job.reset();
     bucket.skipped = false;
     if (bucket.sparse) bucket.flat = at::Tensor();  // the gradient stays the parameter's alone
   }

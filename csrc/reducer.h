@@ -104,6 +104,7 @@
 #include "comm_hook.h"
 #include "device_timeline.h"
 #include "graph.h"
+#include "ring.h"
 #include "timeline.h"
 
 namespace pyreducer {
@@ -188,10 +189,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void set_sparse_backend(BackendPtr backend);
 
   // See Note [Sharded buckets]: `sharded` on reallocates every bucket padded, with its shard,
-  // reduce-scattered on `backend` (null: on the group); off, as before. Keeps a pending rebuild.
+  // reduce-scattered by `ring` if given (Note [Ring collectives on Gloo]), else on `backend`
+  // (null: on the group); off, as before. Keeps a pending rebuild.
   // Between iterations with nothing pending, the same on every rank; std::runtime_error with a
   // communication hook, sparse gradients, or chunks in the launch order. Python thread.
-  void set_sharded(bool sharded, BackendPtr backend);
+  void set_sharded(bool sharded, BackendPtr backend,
+                   std::shared_ptr<RingCollectives> ring = nullptr);
   bool sharded() const;
   // Each bucket's shard (see Note [Sharded buckets]): valid once the bucket is completed, until
   // the next backward reaches it; undefined tensors when sharding is off.
@@ -332,9 +335,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void launch_ready_buckets();
   void launch_chunk(size_t b);  // bucket b's next chunk (its only one with a hook)
   // Launches the collective of bucket b's chunk `chunk` of `chunks` (its elements `flat`): an
-  // all-reduce, or a reduce-scatter into its shard (see Note [Sharded buckets]).
-  WorkPtr launch_reduction(size_t b, at::Tensor& flat, size_t chunk, size_t chunks,
-                           std::shared_ptr<std::atomic<int64_t>> done);
+  // all-reduce, or a reduce-scatter into its shard (see Note [Sharded buckets]), into
+  // bucket.works (or bucket.ring_job).
+  void launch_reduction(size_t b, at::Tensor& flat, size_t chunk, size_t chunks,
+                        std::shared_ptr<std::atomic<int64_t>> done);
   void copy_bucket_in(size_t b);  // batched_grad_copy: the whole bucket at once
   void launch_used_map_allreduce();
   bool all_locally_used() const;
@@ -378,6 +382,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   ProcessGroupPtr group_;
   bool sharded_ = false;       // See Note [Sharded buckets]
   BackendPtr shard_backend_;   // null: reduce-scatters on group_
+  std::shared_ptr<RingCollectives> shard_ring_;  // non-null: reduce-scatters in rings
   BackendPtr sparse_backend_;  // null: sparse buckets on group_ (Note [Sparse gradients beside ...])
   ReducerOptions options_;
   int64_t world_size_ = 1;

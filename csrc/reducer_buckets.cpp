@@ -179,8 +179,8 @@ void Reducer::launch_chunk(size_t b) {
       const int64_t end = n * static_cast<int64_t>(chunk + 1) / static_cast<int64_t>(chunks);
       flat = bucket.flat.narrow(0, begin, end - begin);
     }
-    bucket.works.push_back(launch_reduction(b, flat, chunk, chunks, done));
-    if (device && last) {  // one stream: the last chunk's completion follows the others'
+    launch_reduction(b, flat, chunk, chunks, done);
+    if (device && last && !bucket.works.empty()) {  // one stream: the last chunk's completion follows the others'
       try {
         device->bucket_done(record_->slot, b, bucket.works.back()->getFuture());
       } catch (const std::exception&) {
@@ -204,22 +204,30 @@ void Reducer::launch_chunk(size_t b) {
   if (device) device->bucket_done(record_->slot, b, bucket.future);
 }
 
-WorkPtr Reducer::launch_reduction(size_t b, at::Tensor& flat, size_t chunk, size_t chunks,
-                                  std::shared_ptr<std::atomic<int64_t>> done) {
+void Reducer::launch_reduction(size_t b, at::Tensor& flat, size_t chunk, size_t chunks,
+                                std::shared_ptr<std::atomic<int64_t>> done) {
   Bucket& bucket = set_.buckets[b];
+  if (sharded_ && shard_ring_) {  // See Note [Ring collectives on Gloo]
+    bucket.ring_job = shard_ring_->reduce_scatter(flat, bucket.shard,
+                                                  "reduce-scatter of bucket " + std::to_string(b),
+                                                  std::move(done));
+    return;
+  }
   if (sharded_) {  // See Note [Sharded buckets]
     auto label = [b] { return "pyreducer.reduce_scatter.bucket_" + std::to_string(b); };
-    return shard_backend_
-               ? reduce_scatter_sum_async(shard_backend_, bucket.shard, flat, std::move(done), label)
-               : reduce_scatter_sum_async(group_, bucket.shard, flat, std::move(done), label);
+    bucket.works.push_back(
+        shard_backend_
+            ? reduce_scatter_sum_async(shard_backend_, bucket.shard, flat, std::move(done), label)
+            : reduce_scatter_sum_async(group_, bucket.shard, flat, std::move(done), label));
+    return;
   }
   auto label = [b, chunk, chunks] {
     return "pyreducer.allreduce.bucket_" + std::to_string(b) +
            (chunks > 1 ? ".chunk_" + std::to_string(chunk) : std::string());
   };
-  return bucket.sparse && sparse_backend_
-             ? allreduce_sum_async(sparse_backend_, flat, std::move(done), label)
-             : allreduce_sum_async(group_, flat, std::move(done), label);
+  bucket.works.push_back(bucket.sparse && sparse_backend_
+                             ? allreduce_sum_async(sparse_backend_, flat, std::move(done), label)
+                             : allreduce_sum_async(group_, flat, std::move(done), label));
 }
 
 void Reducer::launch_used_map_allreduce() {
@@ -327,6 +335,7 @@ void Reducer::complete_locked(size_t b) {
   num_awaiting_ -= 1;
   bucket.works.clear();
   bucket.future.reset();
+  bucket.ring_job.reset();
   if (bucket.sparse) bucket.flat = at::Tensor();
   if (num_awaiting_ == 0) {
     resolve_used_map();  // also when not needed: the next copy into used_map_ must follow it
@@ -352,6 +361,10 @@ void Reducer::wait_bucket(size_t b) {
   Bucket& bucket = set_.buckets[b];
   if (bucket.skipped) return;
   note_wait_stream(bucket);
+  if (bucket.ring_job) {  // See Note [Ring collectives on Gloo]
+    bucket.ring_job->wait();
+    return;
+  }
   if (!bucket.future) {
     for (size_t k = 0; k < bucket.works.size(); ++k) {
       wait_or_throw(bucket.works[k], group_,

@@ -146,7 +146,8 @@ void Reducer::set_deferred_completion(bool deferred, std::function<void()> on_de
   on_deferred_ = deferred ? std::move(on_deferred) : std::function<void()>();
 }
 
-void Reducer::set_sharded(bool sharded, BackendPtr backend) {
+void Reducer::set_sharded(bool sharded, BackendPtr backend,
+                          std::shared_ptr<RingCollectives> ring) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (finalize_queued_ || backward_started_ || num_ready_ > 0 || num_awaiting_ > 0) {
     throw std::runtime_error("pyreducer: sharding can only be switched between iterations, with "
@@ -168,6 +169,7 @@ void Reducer::set_sharded(bool sharded, BackendPtr backend) {
   for (const Bucket& bucket : set_.buckets) plan.push_back(bucket.param_indices);
   sharded_ = sharded;
   shard_backend_ = sharded ? std::move(backend) : BackendPtr();
+  shard_ring_ = sharded ? std::move(ring) : nullptr;
   install_plan(plan);  // the same buckets, padded (or not), launch order reset
   rebuild_pending_ = rebuild;
   ready_order_ = ready_order;

@@ -22,6 +22,7 @@ set(PYREDUCER_CORE_SOURCES
     csrc/reducer_control.cpp
     csrc/reducer_finite.cpp
     csrc/reducer_timeline.cpp
+    csrc/ring.cpp
     csrc/timeline.cpp)
 
 # The Python extension module pyreducer._C: the only pybind11 code.

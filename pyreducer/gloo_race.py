@@ -66,7 +66,7 @@ def one_thread_backend(group, purpose: str):
     options = dist.ProcessGroupGloo._Options()
     options._threads = 1
     options._devices = _devices(group)
-    options._timeout = _timeout(group)
+    options._timeout = group_timeout(group)
     return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), options)
 
 
@@ -82,7 +82,7 @@ def _devices(group) -> list:
     return devices or [dist.ProcessGroupGloo.create_default_device()]
 
 
-def _timeout(group) -> timedelta:
+def group_timeout(group) -> timedelta:
     """The group's own timeout (Gloo's options), else torch's default for Gloo."""
     try:
         return group._get_backend(torch.device("cpu")).options._timeout

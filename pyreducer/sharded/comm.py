@@ -1,8 +1,10 @@
 """The sharded step's collectives, beside the Reducer's reduce-scatters (Note [Sharded buckets]
 in csrc/reducer.h): the parameters' all-gathers, the clip norm's all-reduce, and the state
-gathers of a checkpoint. On Gloo they all run on the one-thread backend the reduce-scatters use
-(pyreducer/gloo_race.py: a reduce-scatter's op name is long enough for torch's race), so that one
-thread issues every sharded collective in one order on every rank; on NCCL, on the group.
+gathers of a checkpoint. On NCCL, on the group. On Gloo with 2 ranks, the buckets'
+reduce-scatters and all-gathers travel in rings of sends and receives (Note [Ring collectives on
+Gloo] in csrc/ring.h: Gloo's own reduce-scatter costs an all-reduce), on a Gloo backend of their
+own; the rest (and everything with 3 or more ranks: RING_WORLD_SIZE) runs on a one-thread Gloo
+backend (pyreducer/gloo_race.py: torch's race on long op names).
 """
 from __future__ import annotations
 
@@ -10,6 +12,15 @@ import torch
 import torch.distributed as dist
 
 from pyreducer import gloo_race, torch_versions
+from pyreducer._ext import _C
+
+
+# Where the rings replace Gloo's reduce-scatter: with 2 ranks a ring's sums are x[0] + x[1], Gloo's
+# all-reduce's (torch DDP's) bit for bit. With more, a ring sums in another order than Gloo's
+# all-reduce (within float rounding, which Adam-like updates can amplify where gradients nearly
+# cancel), so there Gloo's own reduce-scatter stays: its sums are its all-reduce's, and so is
+# its cost (4 emulated hosts, 25 MB: 353 ms against 180 ms for the ring).
+RING_WORLD_SIZE = 2
 
 
 class ShardComm:
@@ -20,14 +31,23 @@ class ShardComm:
     def __init__(self, group):
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.backend = None
-        if self.world_size > 1 and dist.get_backend(group) == "gloo" and \
-                torch_versions.GLOO_STATUS_RACE:
-            self.backend = gloo_race.one_thread_backend(group, "sharded")  # (collective)
+        self.backend = self.ring = None
+        if self.world_size > 1 and dist.get_backend(group) == "gloo":  # (collective: backends)
+            if torch_versions.GLOO_STATUS_RACE:
+                self.backend = gloo_race.one_thread_backend(group, "sharded")
+            if self.world_size == RING_WORLD_SIZE:
+                timeout_ms = int(gloo_race.group_timeout(group).total_seconds() * 1000)
+                self.ring = _C.RingCollectives(gloo_race.one_thread_backend(group, "ring"),
+                                               timeout_ms)
 
     def all_gather(self, output: torch.Tensor, own: torch.Tensor):
         """Launches the all-gather of every rank's `own` (output's rank-th 1/world_size; in
         place where `own` is that view) into `output`; returns its work."""
+        if self.ring is not None:  # in place: `own` goes to output's rank-th chunk first
+            place = output.narrow(0, self.rank * own.numel(), own.numel())
+            if place.data_ptr() != own.data_ptr():
+                place.copy_(own)
+            return self.ring.all_gather(output, "all-gather of a bucket's parameters")
         if self.backend is not None:
             return self.backend._allgather_base(output, own)
         return dist.all_gather_into_tensor(output, own, group=self.group, async_op=True)

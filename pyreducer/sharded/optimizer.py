@@ -38,7 +38,7 @@ class ShardedOptimizer(OverlapOptimizer):
                          hold_back=hold_back, schedule="fifo", tuning=tuning, autotune=autotune,
                          replacing=replacing)
         self.comm = ShardComm(params.process_group)  # (collective on Gloo: a backend made)
-        reducer.set_sharded(True, self.comm.backend)
+        reducer.set_sharded(True, self.comm.backend, self.comm.ring)
         self.index = {id(p): i for i, p in enumerate(params.tensors)}
         self.due = False  # a synced backward's reduced shards wait for step() (or zero_grad())
         self.gathers: dict[int, tuple] = {}  # bucket -> (its parameters' all-gather in flight,

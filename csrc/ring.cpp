@@ -1,0 +1,175 @@
+#include "ring.h"
+
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include "timeline.h"
+
+namespace pyreducer {
+
+namespace {
+
+constexpr int kTagsPerJob = 1 << 10;  // tags of one job's steps; a job has world size - 1 steps
+
+at::Tensor ring_chunk(const at::Tensor& flat, int64_t index, int64_t world) {
+  const int64_t n = flat.numel() / world;
+  return flat.narrow(0, index * n, n);
+}
+
+int64_t modulo(int64_t value, int64_t world) { return ((value % world) + world) % world; }
+
+}  // namespace
+
+void RingJob::wait() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [this] { return done_; });
+  if (error_) {
+    try {
+      std::rethrow_exception(error_);
+    } catch (const std::exception& error) {
+      throw CollectiveError("pyreducer: " + what_ + " failed (a peer may have died or "
+                            "diverged): " + error.what());
+    }
+  }
+}
+
+bool RingJob::done() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_;
+}
+
+RingCollectives::RingCollectives(BackendPtr backend, std::chrono::milliseconds timeout)
+    : backend_(std::move(backend)), timeout_(timeout) {
+  rank_ = backend_->getRank();
+  world_ = backend_->getSize();
+  worker_ = std::thread([this] { run(); });
+}
+
+RingCollectives::~RingCollectives() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+}
+
+std::shared_ptr<RingJob> RingCollectives::enqueue(std::function<void()> body, std::string what) {
+  auto job = std::make_shared<RingJob>();
+  job->body_ = std::move(body);
+  job->what_ = std::move(what) + " on rank " + std::to_string(rank_) + " of " +
+               std::to_string(world_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) throw std::runtime_error("pyreducer: ring collectives are shut down");
+    queue_.push_back(job);
+  }
+  cv_.notify_all();
+  return job;
+}
+
+std::shared_ptr<RingJob> RingCollectives::reduce_scatter(
+    at::Tensor flat, at::Tensor shard, std::string what,
+    std::shared_ptr<std::atomic<int64_t>> done_ns) {
+  if (flat.numel() != shard.numel() * world_) {
+    throw std::invalid_argument("ring reduce-scatter: expected a buffer of " +
+                                std::to_string(shard.numel() * world_) +
+                                " elements (shard x world size), got " +
+                                std::to_string(flat.numel()));
+  }
+  return enqueue([this, flat, shard, done_ns] {
+    run_reduce_scatter(flat, shard);
+    if (done_ns) done_ns->store(Timeline::now_ns(), std::memory_order_release);
+  }, std::move(what));
+}
+
+std::shared_ptr<RingJob> RingCollectives::all_gather(at::Tensor flat, std::string what) {
+  if (flat.numel() % world_ != 0) {
+    throw std::invalid_argument("ring all-gather: expected a multiple of " +
+                                std::to_string(world_) + " elements, got " +
+                                std::to_string(flat.numel()));
+  }
+  return enqueue([this, flat] { run_all_gather(flat); }, std::move(what));
+}
+
+void RingCollectives::run() {
+  at::NoGradGuard no_grad;
+  for (;;) {
+    std::shared_ptr<RingJob> job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      job = queue_.front();
+      queue_.pop_front();
+    }
+    std::exception_ptr error;
+    if (stopping_) {
+      error = std::make_exception_ptr(std::runtime_error("ring collectives shut down"));
+    } else {
+      try {
+        job->body_();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(job->mutex_);
+      job->done_ = true;
+      job->error_ = error;
+    }
+    job->cv_.notify_all();
+  }
+}
+
+void RingCollectives::exchange(const at::Tensor& out, const at::Tensor& in, int tag) {
+  std::vector<at::Tensor> sent{out};
+  std::vector<at::Tensor> received{in};
+  const int next = static_cast<int>(modulo(rank_ + 1, world_));
+  const int previous = static_cast<int>(modulo(rank_ - 1, world_));
+  WorkPtr send = backend_->send(sent, next, tag);
+  WorkPtr recv = backend_->recv(received, previous, tag);
+  if (!send->wait(timeout_) || !recv->wait(timeout_)) {
+    throw std::runtime_error("a send or receive was aborted");
+  }
+}
+
+void RingCollectives::run_reduce_scatter(const at::Tensor& flat, const at::Tensor& shard) {
+  const int base = next_tag_;
+  next_tag_ = (next_tag_ + kTagsPerJob) % (1 << 30);
+  if (world_ == 1) {
+    shard.copy_(flat);
+    return;
+  }
+  // Step 0 sends this rank's own values (the buffer is never written); the last step receives
+  // into the shard itself, then adds this rank's values: received + own, as in every step.
+  at::Tensor sending = ring_chunk(flat, modulo(rank_ - 1, world_), world_);
+  at::Tensor received = world_ > 2 ? at::empty_like(shard) : shard;
+  for (int64_t k = 0; k < world_ - 1; ++k) {
+    const bool last = k + 2 == world_;
+    at::Tensor into = last ? shard : received;
+    exchange(sending, into, base + static_cast<int>(k));
+    const at::Tensor own = ring_chunk(flat, modulo(rank_ - 2 - k, world_), world_);
+    if (last) {
+      into.add_(own);
+    } else {
+      if (k == 0) sending = at::empty_like(shard);  // the running sums from here on
+      at::add_out(sending, into, own);
+    }
+  }
+}
+
+void RingCollectives::run_all_gather(const at::Tensor& flat) {
+  const int base = next_tag_;
+  next_tag_ = (next_tag_ + kTagsPerJob) % (1 << 30);
+  for (int64_t k = 0; k < world_ - 1; ++k) {
+    exchange(ring_chunk(flat, modulo(rank_ - k, world_), world_),
+             ring_chunk(flat, modulo(rank_ - 1 - k, world_), world_), base + static_cast<int>(k));
+  }
+}
+
+}  // namespace pyreducer

@@ -177,9 +177,11 @@ class ShardedOptimizer(OverlapOptimizer):
         super().forward_starting(tune)
 
     def before_plan_change(self) -> None:
-        """Before the wrapper rebuilds its buckets: every pending update done (the shards and
-        buffers are replaced)."""
+        """Before the wrapper rebuilds its buckets: every pending update done, and the pieces'
+        views of the buffers let go (the Reducer replaces them: the old ones are freed then)."""
         self.synchronize()
+        self.pieces.let_go()
+        self.flats = []
 
     def _read(self, b: int, param: torch.Tensor, func) -> None:
         """A read of `param` (bucket b): after step(), the update runs; before, a read of its

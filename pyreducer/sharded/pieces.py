@@ -29,6 +29,7 @@ class Pieces:
         self.groups_seen: list[list[int]] | None = None
         self._last_groups: list[dict] = []
         self._owners = None  # (layout, owners()) once asked
+        self.held: list | None = None  # per piece, its state, while let_go() holds it
 
     # -- layout ----------------------------------------------------------------------------------
     def _views(self, layout: Layout, flats) -> list[torch.Tensor]:
@@ -37,29 +38,61 @@ class Pieces:
 
     def move_to(self, layout: Layout, flats, comm, param_groups) -> None:
         """Pieces for `layout`; the state moves from the previous layout's pieces (collective:
-        every rank gathers each parameter's state whole, then keeps its new pieces)."""
+        every rank gathers each parameter's state whole, then keeps its new pieces; each old
+        piece's state is let go once its parameter has moved)."""
         tensors = self._views(layout, flats)
         state = collections.defaultdict(dict)
         if self.layout is not None:
-            old = [self.inner.state.get(t) for t in self.tensors]
+            old = self._states()
+            owner = [piece.param for piece in self.layout.pieces]
             for param, whole in state_module.gather_whole(comm, self.layout, old,
                                                           self._device()):
                 for index, piece_state in state_module.cut(layout, param, whole).items():
                     state[tensors[index]] = piece_state
-        self.layout, self.tensors, self.flats = layout, tensors, list(flats)
+                for index, of in enumerate(owner):
+                    if of == param:
+                        old[index] = None
+        self.layout, self.tensors, self.flats, self.held = layout, tensors, list(flats), None
         self.inner.state = state
         self.assign_groups(param_groups, force=True)
 
     def rebind(self, flats) -> None:
-        """The same layout on new buffers (the Reducer reallocated them): state kept by piece."""
-        if all(f.data_ptr() == g.data_ptr() for f, g in zip(flats, self.flats)):
+        """The same layout on new buffers (the Reducer reallocated them), or again after
+        let_go(): state kept by piece."""
+        if self.held is None and \
+                all(f.data_ptr() == g.data_ptr() for f, g in zip(flats, self.flats)):
             return
+        held = self._states()
         tensors = self._views(self.layout, flats)
         self.inner.state = collections.defaultdict(dict, {
-            new: self.inner.state[old] for old, new in zip(self.tensors, tensors)
-            if old in self.inner.state})
-        self.tensors, self.flats = tensors, list(flats)
+            new: s for new, s in zip(tensors, held) if s})
+        self.tensors, self.flats, self.held = tensors, list(flats), None
         self.assign_groups(None, force=True)
+
+    def let_go(self) -> None:
+        """Before the Reducer replaces its buffers (a new plan): the pieces' views of them are
+        dropped, so the old buffers are freed at once; the state is kept by piece until the
+        pieces are made again (move_to or rebind)."""
+        if self.held is None and self.layout is not None:
+            self.held = self._states()
+            self.inner.state = collections.defaultdict(dict)
+            for group in self.inner.param_groups:
+                group["params"] = []
+            self.tensors, self.flats = [], []
+
+    def _states(self) -> list:
+        """Per piece of the current layout, its state (None: none), held or live."""
+        if self.held is not None:
+            return self.held
+        return [self.inner.state.get(t) for t in self.tensors]
+
+    def _set_states(self, states: list) -> None:
+        """Per piece of the current layout, its state (None: none), held or live."""
+        if self.held is not None:
+            self.held = list(states)
+            return
+        self.inner.state = collections.defaultdict(dict, {
+            t: s for t, s in zip(self.tensors, states) if s})
 
     def assign_groups(self, param_groups, force: bool = False) -> None:
         """The inner optimizer's groups hold the pieces of the wrapped optimizer's groups' params
@@ -141,22 +174,23 @@ class Pieces:
 
     # -- state -----------------------------------------------------------------------------------
     def state_bytes(self) -> int:
-        return sum(v.numel() * v.element_size() for s in self.inner.state.values()
+        return sum(v.numel() * v.element_size() for s in self._states() if s
                    for v in s.values() if torch.is_tensor(v))
 
     def load_whole(self, whole: dict) -> None:
         """{parameter index: whole state} (state.from_torch's) cut into this rank's pieces;
         every other piece's state is dropped."""
-        self.inner.state = collections.defaultdict(dict)
+        states = [None] * len(self.layout.pieces)
         for param, param_state in whole.items():
             for index, piece_state in state_module.cut(self.layout, param, param_state).items():
-                self.inner.state[self.tensors[index]] = piece_state
+                states[index] = piece_state
+        self._set_states(states)
 
     def whole_state_dict(self, optimizer, comm) -> dict:
         """torch's state_dict format, every parameter's state gathered whole (collective)."""
         result = optimizer.state_dict()
         index_of = _torch_indices(optimizer)
-        states = [self.inner.state.get(t) for t in self.tensors]
+        states = self._states()
         for param, whole in state_module.gather_whole(comm, self.layout, states,
                                                       self._device()):
             index = index_of.get(id(self.params[param]))
@@ -184,7 +218,7 @@ class Pieces:
         """This rank's piece states, its layout and the param groups (no collective)."""
         return dict(format=SHARDED_FORMAT, layout=self.layout.describe(),
                     param_groups=optimizer.state_dict()["param_groups"],
-                    pieces=[dict(self.inner.state.get(t, {})) for t in self.tensors])
+                    pieces=[dict(s or {}) for s in self._states()])
 
     def _load_sharded(self, checkpoint: dict, optimizer, comm) -> None:
         saved = Layout.from_description(checkpoint["layout"])
@@ -201,15 +235,14 @@ class Pieces:
         device = self._device()
         moved = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in s.items()}
                  for s in checkpoint["pieces"]]
-        self.inner.state = collections.defaultdict(dict)
         if saved.same_as(self.layout):
-            for tensor, piece_state in zip(self.tensors, moved):
-                if piece_state:
-                    self.inner.state[tensor] = piece_state
+            states = [s or None for s in moved]
         else:  # saved on other buckets: each parameter gathered whole, then cut (collective)
+            states = [None] * len(self.layout.pieces)
             for param, whole in state_module.gather_whole(comm, saved, moved, device):
                 for index, piece_state in state_module.cut(self.layout, param, whole).items():
-                    self.inner.state[self.tensors[index]] = piece_state
+                    states[index] = piece_state
+        self._set_states(states)
         self.assign_groups(optimizer.param_groups, force=True)
 
 

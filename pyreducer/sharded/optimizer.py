@@ -24,9 +24,9 @@ class ShardedOptimizer(OverlapOptimizer):
     the next forward waits for parameter by parameter.
 
     Args as OverlapOptimizer's, but the schedule is "fifo" (whole buckets: one reduce-scatter
-    each; hold_back applies), and every optimizer parameter must be one the wrapper reduces. The optimizer's class
-    must update elementwise (checks.ELEMENTWISE); its state moves into the shards (a state it
-    already holds, e.g. a loaded checkpoint, is cut into them).
+    each; hold_back applies), and every optimizer parameter must be one the wrapper reduces.
+    The optimizer's class must update elementwise (checks.ELEMENTWISE); its state moves into the
+    shards (a state it already holds, e.g. a loaded checkpoint, is cut into them).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, reducer, params, module,

@@ -27,9 +27,9 @@ def _kind(value, piece_numel: int):
                     value.device.type)
     elif isinstance(value, (int, float, bool)):
         return ("number", value)
-    raise ValueError(f"sharded step: a state value of type {type(value).__name__}"
-                     f"{'' if not torch.is_tensor(value) else ' and shape ' + str(tuple(value.shape))}"
-                     f" is neither per element ({piece_numel} values) nor per parameter")
+    shape = f" and shape {tuple(value.shape)}" if torch.is_tensor(value) else ""
+    raise ValueError(f"sharded step: a state value of type {type(value).__name__}{shape} is "
+                     f"neither per element ({piece_numel} values) nor per parameter")
 
 
 def schema(group, layout: Layout, states: list[dict | None], device) -> dict[int, dict]:

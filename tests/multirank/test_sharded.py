@@ -3,7 +3,8 @@ torch DDP + the same unsharded optimizer: same seed, same data, the same loop; p
 gradients and the gathered optimizer state (state_dict(), torch's format) after the steps. Bit for
 bit at 2 ranks (a reduce-scatter's sums are a + b there; a clip's norms are taken over whole
 gradients: Note [Clipping shards]), except torch's fused CPU AdamW (its vectorized body and scalar
-tail round some elements differently, and pieces move where the tail falls): within 1e-6. At 3 and 4 ranks within 1e-6 (the backend's reduce-scatter may sum in another order than its
+tail round some elements differently, and pieces move where the tail falls): within 1e-6. At 3
+and 4 ranks within 1e-6 (the backend's reduce-scatter may sum in another order than its
 all-reduce).
 Checkpoints: the sharded one resumed on the same buckets and on others (gathered and cut again),
 the gathered one resumed, and the gathered one loaded by a plain torch optimizer. Also that the

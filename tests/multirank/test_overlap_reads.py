@@ -6,7 +6,8 @@ bit for bit, at 2 and 3 ranks (schedule="fifo": torch DDP's sums); then one more
 equal too. Also that the read itself completed what it should (no pending class left); a
 GradScaler, which reads every gradient between backward and step(); a forward compiled by
 torch.compile; the optimizer's step hooks and an LR scheduler on the wrapped optimizer; and the
-refusals (pickling the wrapper, a TorchScript module)."""
+refusals (pickling the wrapper, a TorchScript module). The reads that apply, and the compiled
+forward, with overlap_optimizer(shard=True) too (pyreducer/sharded)."""
 import copy
 import io
 import os
@@ -74,8 +75,8 @@ def _loop(rank, read, overlapped):
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)),
                                     bucket_cap_mb=0.0001)  # a bucket per parameter
     opt = torch.optim.Adam(model.parameters(), lr=0.1, foreach=False)
-    if overlapped:
-        opt = model.overlap_optimizer(opt, schedule="fifo")
+    if overlapped:  # True, or "sharded": overlap_optimizer(shard=True)
+        opt = model.overlap_optimizer(opt, schedule="fifo", shard=overlapped == "sharded")
     gen = torch.Generator().manual_seed(rank)
 
     def train_step():
@@ -127,6 +128,30 @@ def test_read_after_step_sees_every_update(reads, read):
         if READS[read][1]:
             assert ours["left"] == 0 and ours["classes"] == ["Parameter"] * 4, \
                 f"rank {rank}: {read} left {ours['left']} buckets pending ({ours['classes']})"
+
+
+# With shard=True: the reads that do not look at .grad after step() (None once updated: Note
+# [Sharded step]) nor at optimizer.state (empty: the state lives in the shards).
+SHARDED_READS = [read for read in READS if read not in ("grads", "optimizer_state")]
+
+
+def sharded_reads_worker(rank, world_size):
+    return {read: dict(ours=_loop(rank, read, "sharded"), barrier=_loop(rank, read, False))
+            for read in SHARDED_READS}
+
+
+@pytest.mark.parametrize("read", SHARDED_READS)
+def test_sharded_read_after_step_sees_every_update(ranks_once, read):
+    """The same reads with overlap_optimizer(shard=True), 2 ranks, bit for bit; the training
+    after them too."""
+    for rank, r in enumerate(ranks_once(sharded_reads_worker, 2, ())):
+        ours, barrier = r[read]["ours"], r[read]["barrier"]
+        assert ours["in_flight"] > 0, "nothing was pending: the read checks nothing"
+        assert _equal(ours["value"], barrier["value"]), f"rank {rank}: {read} saw stale values"
+        if READS[read][1]:
+            assert ours["left"] == 0 and ours["classes"] == ["Parameter"] * 4, ours["classes"]
+        assert _equal(ours["params"], barrier["params"]), f"rank {rank}: parameters after {read}"
+        assert _equal(ours["state"], barrier["state"]), f"rank {rank}: optimizer state"
 
 
 @pytest.mark.parametrize("read", list(READS))
@@ -256,7 +281,7 @@ def compiled_worker(rank, world_size):
 
     outputs = {}
     for order in ("inner", "outer"):
-        for overlapped in (True, False):
+        for overlapped in (True, "sharded", False):
             torch._dynamo.reset()
             torch.manual_seed(0)
             module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -268,7 +293,8 @@ def compiled_worker(rank, world_size):
                                       backend="aot_eager")
             opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
             if overlapped:
-                opt = model.overlap_optimizer(opt, schedule="fifo")
+                opt = model.overlap_optimizer(opt, schedule="fifo",
+                                              shard=overlapped == "sharded")
             gen = torch.Generator().manual_seed(rank)
             outputs[order, overlapped] = []
             for _ in range(4):
@@ -289,8 +315,9 @@ def compiled_worker(rank, world_size):
 def test_compiled_forward_sees_every_update_and_torchscript_is_refused(ranks_once):
     for rank, r in enumerate(ranks_once(compiled_worker, 2, ())):
         for order in ("inner", "outer"):
-            assert _equal(r["outputs"][order, True], r["outputs"][order, False]), \
-                f"rank {rank}, {order}"
+            for overlapped in (True, "sharded"):
+                assert _equal(r["outputs"][order, overlapped], r["outputs"][order, False]), \
+                    f"rank {rank}, {order}, {overlapped}"
         assert r["refused"] and "holds TorchScript modules ((root), 0)" in r["refused"], r["refused"]
 
 

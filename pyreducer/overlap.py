@@ -176,12 +176,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         with a gradient is stepped at once, as torch does: those whose reduction is done (a
         read after backward waited for it, or a backward without sync) and those outside every
         bucket (ignored by the wrapper, delayed all-reduce, not in the model)."""
-        if closure is not None:
-            raise ValueError("overlap_optimizer: step(closure) is not supported (the update is "
-                             "split into buckets run during the next forward)")
-        if self.removed:
-            raise RuntimeError("overlap_optimizer: this overlapped optimizer was replaced by "
-                               "another (model.overlap_optimizer called again): step that one")
+        self._check_step(closure)
         if self.stepped:  # a previous step's updates, if no forward ran since
             self._update_all()
         self._step_hooks(self.optimizer._optimizer_step_pre_hooks)
@@ -206,6 +201,15 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.stepped = True
         self._step_done()
         return None
+
+    def _check_step(self, closure) -> None:
+        """What step() refuses: a closure, and a step of a replaced overlapped optimizer."""
+        if closure is not None:
+            raise ValueError("overlap_optimizer: step(closure) is not supported (the update is "
+                             "split into buckets run during the next forward)")
+        if self.removed:
+            raise RuntimeError("overlap_optimizer: this overlapped optimizer was replaced by "
+                               "another (model.overlap_optimizer called again): step that one")
 
     def _step_done(self) -> None:
         self._step_hooks(self.optimizer._optimizer_step_post_hooks)

@@ -87,12 +87,7 @@ class ShardedOptimizer(OverlapOptimizer):
         """Records the update of every bucket reduced by the last synced backward: stepped,
         shard by shard, when the next forward first reads a parameter (or now, when nothing
         waits for a read). RuntimeError when no reduced gradients wait for a step."""
-        if closure is not None:
-            raise ValueError("overlap_optimizer: step(closure) is not supported (the update is "
-                             "split into buckets run during the next forward)")
-        if self.removed:
-            raise RuntimeError("overlap_optimizer: this overlapped optimizer was replaced by "
-                               "another (model.overlap_optimizer called again): step that one")
+        self._check_step(closure)
         if self.stepped:  # a previous step's updates, if no forward ran since
             self.synchronize()
         if not self.due:

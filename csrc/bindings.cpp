@@ -319,7 +319,6 @@ void bind_completion(Class& reducer) {
       .def("used_map_pending", &Reducer::used_map_pending, RELEASE)
       .def("set_sharded", &Reducer::set_sharded, py::arg("sharded"), py::arg("backend"),
            py::arg("ring") = nullptr, RELEASE, "See Note [Sharded buckets] in csrc/reducer.h.")
-      .def_property_readonly("sharded", py::cpp_function(&Reducer::sharded, RELEASE))
       .def("shard_buffers", &Reducer::shard_buffers, RELEASE)
       .def("globally_unused", &Reducer::globally_unused, RELEASE);
 }

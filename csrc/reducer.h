@@ -195,7 +195,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // communication hook, sparse gradients, or chunks in the launch order. Python thread.
   void set_sharded(bool sharded, BackendPtr backend,
                    std::shared_ptr<RingCollectives> ring = nullptr);
-  bool sharded() const;
   // Each bucket's shard (see Note [Sharded buckets]): valid once the bucket is completed, until
   // the next backward reaches it; undefined tensors when sharding is off.
   std::vector<at::Tensor> shard_buffers() const;

@@ -175,11 +175,6 @@ void Reducer::set_sharded(bool sharded, BackendPtr backend,
   ready_order_ = ready_order;
 }
 
-bool Reducer::sharded() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return sharded_;
-}
-
 std::vector<at::Tensor> Reducer::shard_buffers() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<at::Tensor> shards;

@@ -12,7 +12,7 @@ from pyreducer._ext import _C
 from pyreducer.overlap import OverlapOptimizer
 from pyreducer.sharded import checks, clip, pieces as pieces_module
 from pyreducer.sharded.comm import ShardComm
-from pyreducer.sharded.layout import Layout, flat_view
+from pyreducer.sharded.layout import Layout
 
 _GRAD_GET = torch.Tensor.grad.__get__
 
@@ -43,8 +43,6 @@ class ShardedOptimizer(OverlapOptimizer):
         self.due = False  # a synced backward's reduced shards wait for step() (or zero_grad())
         self.gathers: dict[int, tuple] = {}  # bucket -> (its parameters' all-gather in flight,
         # its timeline event)
-        self.flats: list[torch.Tensor] = []
-        self.layout: Layout | None = None
         self.inner = self._make_inner()
         self.pieces = pieces_module.Pieces(self.inner, params.tensors)
         self._follow_plan()
@@ -74,12 +72,11 @@ class ShardedOptimizer(OverlapOptimizer):
         layout_now = [entry["param_indices"] for entry in self.reducer.bucket_layout()]
         layout = Layout(layout_now, [p.numel() for p in self.params.tensors],
                         self.comm.world_size, self.comm.rank)
-        self.flats = self.reducer.bucket_buffers()
-        if layout.same_as(self.layout):
-            self.pieces.rebind(self.flats)
-            return
-        self.pieces.move_to(layout, self.flats, self.comm, self.optimizer.param_groups)
-        self.layout = layout
+        flats = self.reducer.bucket_buffers()
+        if layout.same_as(self.pieces.layout):
+            self.pieces.rebind(flats)
+        else:
+            self.pieces.move_to(layout, flats, self.comm, self.optimizer.param_groups)
 
     # -- the optimizer interface -----------------------------------------------------------------
     @torch.no_grad()
@@ -176,7 +173,6 @@ class ShardedOptimizer(OverlapOptimizer):
         views of the buffers let go (the Reducer replaces them: the old ones are freed then)."""
         self.synchronize()
         self.pieces.let_go()
-        self.flats = []
 
     def _read(self, b: int, param: torch.Tensor, func) -> None:
         """A read of `param` (bucket b): after step(), the update runs; before, a read of its
@@ -228,7 +224,7 @@ class ShardedOptimizer(OverlapOptimizer):
                 self._follow_plan()
                 if self.current is not None:  # (the timeline's record of this iteration)
                     self.current["memory"] = self.memory_bytes()
-                order = sorted(range(len(self.flats)), reverse=True)
+                order = sorted(range(len(self.pieces.flats)), reverse=True)
                 if self.max_grad_norm is not None:  # every bucket reduced first
                     self.reducer.complete_all()
                     self.pieces.take_grads(order, self.reducer.shard_buffers(),
@@ -254,7 +250,8 @@ class ShardedOptimizer(OverlapOptimizer):
         members = self.pieces.load_values(b)
         subset_step.step_subset(self.inner, members, self.settings)
         event["updated_ns"] = event["gather_launch_ns"] = _C.Reducer.now_ns()
-        self.gathers[b] = (self.comm.all_gather(self.flats[b], self.pieces.own_region(b)), event)
+        work = self.comm.all_gather(self.pieces.flats[b], self.pieces.own_region(b))
+        self.gathers[b] = (work, event)
 
     def _finish(self, b: int, reading: torch.Tensor | None = None) -> None:
         """Bucket b's all-gather waited for, its parameters written, their gradients zeroed as
@@ -269,7 +266,7 @@ class ShardedOptimizer(OverlapOptimizer):
         self.busy = True
         try:
             with torch.no_grad():
-                self.pieces.write_back(b, self.flats[b])
+                self.pieces.write_back(b, self.pieces.flats[b])
         finally:
             self.busy = False
         for p in group:  # no zero_grad() since step(): None, as if it was called

@@ -176,6 +176,8 @@ void bind_planner(py::module_& m) {
         "The bucket group key, \"dtype/device\", of a tensor (csrc/bucket.h).");
   m.def("size_bytes", &size_bytes, py::arg("tensor"),
         "Bytes of a tensor's elements, its slot in a bucket (csrc/bucket.h).");
+  m.def("shard_numel", &shard_numel, py::arg("numel"), py::arg("shards"), py::arg("element_size"),
+        "Elements of each shard of a sharded bucket: Gloo's ring all-reduce chunk (csrc/bucket.h).");
 }
 
 // ReducerOptions, its defaults taken from C++ (csrc/reducer.h): Python sets what it changes.
@@ -336,6 +338,7 @@ void bind_ring(py::module_& m) {
                                                       std::chrono::milliseconds(timeout_ms));
            }),
            py::arg("backend"), py::arg("timeout_ms"))
+      .def_readonly_static("max_world_size", &RingCollectives::kMaxWorldSize)
       .def("all_gather", &RingCollectives::all_gather, py::arg("flat"), py::arg("what"), RELEASE)
       .def("reduce_scatter",
            [](RingCollectives& ring, at::Tensor flat, at::Tensor shard, std::string what) {

@@ -1,5 +1,6 @@
 #include "bucket.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
@@ -23,6 +24,25 @@ std::string describe(const std::string& name, const at::Tensor& t) {
 
 std::string group_key(const at::Tensor& tensor) {
   return std::string(c10::toString(tensor.scalar_type())) + "/" + tensor.device().str();
+}
+
+int64_t shard_numel(int64_t numel, int64_t shards, int64_t element_size) {
+  if (shards < 1 || element_size < 1 || numel < 0) {
+    throw std::invalid_argument("shard_numel: expected numel >= 0, shards >= 1 and "
+                                "element_size >= 1, got " + std::to_string(numel) + ", " +
+                                std::to_string(shards) + ", " + std::to_string(element_size));
+  }
+  if (shards == 1) return numel;
+  constexpr int64_t kGlooMaxSegmentBytes = 1 << 20;  // AllreduceOptions' kMaxSegmentSize
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  auto round_up = [&](int64_t a, int64_t b) { return ceil_div(a, b) * b; };
+  const int64_t total_bytes = numel * element_size;
+  const int64_t max_segment_bytes =
+      element_size * std::max<int64_t>(1, kGlooMaxSegmentBytes / element_size);
+  const int64_t segments =
+      round_up(std::max(ceil_div(total_bytes, max_segment_bytes), 2 * shards), shards);
+  const int64_t segment_bytes = round_up(ceil_div(total_bytes, segments), element_size);
+  return segments / shards * segment_bytes / element_size;
 }
 
 int64_t size_bytes(const at::Tensor& tensor) {
@@ -81,9 +101,9 @@ BucketSet make_buckets(const std::vector<at::Tensor>& params,
       set.buckets.push_back(std::move(bucket));
       continue;
     }
-    const int64_t padded = (numel + shards - 1) / shards * shards;
-    bucket.flat = at::zeros({padded}, first.options().requires_grad(false));
-    if (shards > 1) bucket.shard = at::zeros({padded / shards}, bucket.flat.options());
+    const int64_t shard = shard_numel(numel, shards, first.element_size());
+    bucket.flat = at::zeros({shards * shard}, first.options().requires_grad(false));
+    if (shards > 1) bucket.shard = at::zeros({shard}, bucket.flat.options());
     bucket.size_bytes = numel * static_cast<int64_t>(first.element_size());
     int64_t offset = 0;
     for (int64_t i : bucket.param_indices) {

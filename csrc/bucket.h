@@ -75,12 +75,21 @@ struct BucketSet {
 // `sparse` (per parameter; empty: none) form sparse buckets, one parameter each, without buffer.
 // Throws std::invalid_argument naming the parameter if the plan is not a partition of all
 // parameters, a bucket mixes dtypes or devices, or a sparse parameter shares a bucket.
-// `shards` > 1: each flat buffer is zero-padded to a multiple of `shards` elements after its
-// last slot (size_bytes stays the slots'), and gets a zeroed `shard` of 1/shards of it.
+// `shards` > 1: each flat buffer is zero-padded to `shards` x shard_numel(...) elements after
+// its last slot (size_bytes stays the slots'), and gets a zeroed `shard` of shard_numel elements.
 BucketSet make_buckets(const std::vector<at::Tensor>& params,
                        const std::vector<std::string>& param_names,
                        const std::vector<std::vector<int64_t>>& plan,
                        const std::vector<uint8_t>& sparse, int64_t shards = 1);
+
+// The elements of each of `shards` equal shards of a bucket of `numel` elements of
+// `element_size` bytes: the chunk Gloo's ring all-reduce leaves on each rank (gloo/allreduce.cc,
+// ring(): segments of at most 1 MiB, as many as a multiple of `shards` and at least twice it;
+// rank r's chunk is segments [r s, (r + 1) s), s = segments per rank), so that a ring
+// reduce-scatter into these shards sums every element as torch DDP's Gloo all-reduce does (Note
+// [Ring collectives on Gloo] in ring.h). At least ceil(numel / shards); 1 shard: numel. The one
+// definition (Python reads it as pyreducer._C.shard_numel).
+int64_t shard_numel(int64_t numel, int64_t shards, int64_t element_size);
 
 // "dtype/device" of a tensor: parameters with different keys never share a bucket. The one
 // definition (Python reads it as pyreducer._C.group_key).

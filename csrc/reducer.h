@@ -47,14 +47,17 @@
 //
 // Note [Sharded buckets]
 // With sharding on (a sharded overlapped optimizer, pyreducer/sharded/), each bucket's buffer is
-// zero-padded to a multiple of the world size and reduce-scattered instead of all-reduced: rank r
-// receives elements [r * n, (r + 1) * n) of the sum (n = padded size / world size) in the
-// bucket's `shard`, and param.grad is not written back (no rank holds the whole average; the
-// optimizer steps the shard and all-gathers the parameters). The pre-scaling by 1/world_size at
-// copy-in, the launch order and the overlap are as for an all-reduce; one collective per bucket
-// (no chunks, no communication hook, no sparse gradients). On Gloo the reduce-scatters go to a
-// one-thread backend (its op name is long: Note [Sparse gradients beside Gloo's race]).
-// With 2 ranks each shard's sum is a + b, the all-reduce's bit for bit.
+// zero-padded to world size x n elements (n = shard_numel in bucket.h: the chunk Gloo's ring
+// all-reduce leaves on each rank) and reduce-scattered instead of all-reduced: rank r receives
+// elements [r * n, (r + 1) * n) of the sum in the bucket's `shard`, and param.grad is not written
+// back (no rank holds the whole average; the optimizer steps the shard and all-gathers the
+// parameters). The pre-scaling by 1/world_size at copy-in, the launch order and the overlap are
+// as for an all-reduce; one collective per bucket (no chunks, no communication hook, no sparse
+// gradients). On Gloo the reduce-scatters run in rings that sum as Gloo's all-reduce does (Note
+// [Ring collectives on Gloo] in ring.h): each shard is torch DDP's all-reduced gradients' bit
+// for bit, at any world size. Without a ring (more ranks than it takes) they go to a one-thread
+// Gloo backend (its op name is long: Note [Sparse gradients beside Gloo's race]), whose
+// reduce-scatter may sum in another order; on NCCL to the group.
 //
 // Note [Deferred completion]
 // With deferred completion on (an overlapped optimizer, pyreducer/overlap.py), finalize_backward

@@ -19,7 +19,7 @@ namespace {
 // link (both directions of one TCP connection busy at once); segments keep it at the link rate.
 constexpr int64_t kSegmentBytes = 256 << 10;
 constexpr int kTagsPerStep = 1 << 14;                // segments of one step (4 GiB at 256 KiB)
-constexpr int kTagsPerJob = kTagsPerStep * 64;       // steps of one job: world size - 1 <= 64
+constexpr int kTagsPerJob = kTagsPerStep * RingCollectives::kMaxWorldSize;  // steps of one job
 
 at::Tensor ring_chunk(const at::Tensor& flat, int64_t index, int64_t world) {
   const int64_t n = flat.numel() / world;
@@ -52,9 +52,9 @@ RingCollectives::RingCollectives(BackendPtr backend, std::chrono::milliseconds t
     : backend_(std::move(backend)), timeout_(timeout) {
   rank_ = backend_->getRank();
   world_ = backend_->getSize();
-  if (world_ > kTagsPerJob / kTagsPerStep) {
-    throw std::invalid_argument("ring collectives: at most " +
-                                std::to_string(kTagsPerJob / kTagsPerStep) + " ranks, got " +
+  if (world_ > kMaxWorldSize) {
+    throw std::invalid_argument("ring collectives: at most " + std::to_string(kMaxWorldSize) +
+                                " ranks, got " +
                                 std::to_string(world_));
   }
   worker_ = std::thread([this] { run(); });
@@ -138,8 +138,8 @@ void RingCollectives::run() {
 }
 
 void RingCollectives::exchange(const at::Tensor& out, const at::Tensor& in, int tag) {
-  const int next = static_cast<int>(modulo(rank_ + 1, world_));
-  const int previous = static_cast<int>(modulo(rank_ - 1, world_));
+  const int to = static_cast<int>(modulo(rank_ - 1, world_));  // Gloo's ring's direction
+  const int from = static_cast<int>(modulo(rank_ + 1, world_));
   const int64_t segment = std::max<int64_t>(1, kSegmentBytes / out.element_size());
   const int64_t n = out.numel();
   std::vector<WorkPtr> works;
@@ -147,8 +147,8 @@ void RingCollectives::exchange(const at::Tensor& out, const at::Tensor& in, int 
     const int64_t size = std::min(segment, n - begin);
     std::vector<at::Tensor> sent{out.narrow(0, begin, size)};
     std::vector<at::Tensor> received{in.narrow(0, begin, size)};
-    works.push_back(backend_->send(sent, next, tag + static_cast<int>(s)));
-    works.push_back(backend_->recv(received, previous, tag + static_cast<int>(s)));
+    works.push_back(backend_->send(sent, to, tag + static_cast<int>(s)));
+    works.push_back(backend_->recv(received, from, tag + static_cast<int>(s)));
   }
   for (const WorkPtr& work : works) {
     if (!work->wait(timeout_)) throw std::runtime_error("a send or receive was aborted");
@@ -163,19 +163,20 @@ void RingCollectives::run_reduce_scatter(const at::Tensor& flat, const at::Tenso
     return;
   }
   // Step 0 sends this rank's own values (the buffer is never written); the last step receives
-  // into the shard itself, then adds this rank's values: received + own, as in every step.
-  at::Tensor sending = ring_chunk(flat, modulo(rank_ - 1, world_), world_);
+  // into the shard itself, then adds this rank's values: own + received, as in every step and
+  // in Gloo's ring (Note [Ring collectives on Gloo]).
+  at::Tensor sending = ring_chunk(flat, modulo(rank_ + 1, world_), world_);
   at::Tensor received = world_ > 2 ? at::empty_like(shard) : shard;
   for (int64_t k = 0; k < world_ - 1; ++k) {
     const bool last = k + 2 == world_;
     at::Tensor into = last ? shard : received;
     exchange(sending, into, base + static_cast<int>(k) * kTagsPerStep);
-    const at::Tensor own = ring_chunk(flat, modulo(rank_ - 2 - k, world_), world_);
+    const at::Tensor own = ring_chunk(flat, modulo(rank_ + 2 + k, world_), world_);
     if (last) {
-      into.add_(own);
+      into.add_(own);  // chunk rank + N: this rank's
     } else {
       if (k == 0) sending = at::empty_like(shard);  // the running sums from here on
-      at::add_out(sending, into, own);
+      at::add_out(sending, own, into);
     }
   }
 }
@@ -184,8 +185,8 @@ void RingCollectives::run_all_gather(const at::Tensor& flat) {
   const int base = next_tag_;
   next_tag_ = (next_tag_ + kTagsPerJob) % (1 << 30);
   for (int64_t k = 0; k < world_ - 1; ++k) {
-    exchange(ring_chunk(flat, modulo(rank_ - k, world_), world_),
-             ring_chunk(flat, modulo(rank_ - 1 - k, world_), world_),
+    exchange(ring_chunk(flat, modulo(rank_ + k, world_), world_),
+             ring_chunk(flat, modulo(rank_ + 1 + k, world_), world_),
              base + static_cast<int>(k) * kTagsPerStep);
   }
 }

@@ -4,14 +4,21 @@
 // Gloo's reduce-scatter (ProcessGroupGloo::_reduce_scatter_base) costs as much as its all-reduce
 // (measured on the emulated 1 Gbit/s link, 25 MB: 2 ranks 230-253 ms against 222 ms for the
 // all-reduce and 115 ms for this ring; 4 ranks 353 ms against 330 ms and 180 ms), which makes a
-// sharded step move twice the bytes of torch DDP's. So sharded buckets on Gloo can travel in
-// rings of sends and receives instead (pyreducer/sharded/comm.py says where: RING_WORLD_SIZE): a
-// reduce-scatter of n x N elements is N - 1 steps, in step k rank r sending its running sum of
-// chunk (r - 1 - k) mod N to rank r + 1 and adding what rank r - 1 sends of chunk
-// (r - 2 - k) mod N, so that after the last step rank r holds the sum of chunk r, each rank
-// having sent (N - 1)/N of the buffer (the least any reduce-scatter sends). Rank r's sum is
-// ((x[r+1] + x[r+2]) + ...) + x[r]: with 2 ranks x[r+1] + x[r], which is x[r] + x[r+1]; with more,
-// another order than Gloo's all-reduce (within float rounding). An all-gather is the same ring
+// sharded step move twice the bytes of torch DDP's. So sharded buckets on Gloo travel in rings
+// of sends and receives instead, which sum every element in the order of Gloo's own ring
+// all-reduce (gloo/allreduce.cc, ring()), torch DDP's on Gloo:
+// - Gloo's all-reduce leaves rank c with the sum of chunk c, a fixed cut of the buffer into
+//   world-size chunks (shard_numel in bucket.h); a sharded bucket's shards are those chunks
+//   (padded after the last one, so all have one size).
+// - Gloo passes chunk c down the ring: rank c - 1 sends its values to rank c - 2, which adds its
+//   own and sends on, ..., until rank c adds its own last: x[c] + (x[c+1] + (... + (x[c-2] +
+//   x[c-1]))). This ring does the same: a reduce-scatter is N - 1 steps, in step k rank r sending
+//   its running sum of chunk (r + 1 + k) mod N to rank r - 1 and adding its own values of chunk
+//   (r + 2 + k) mod N to what rank r + 1 sends; after the last step rank r holds chunk r.
+// So a sharded step's reduced gradients equal torch DDP's all-reduced ones bit for bit at any
+// world size (tests/multirank/test_sharded.py checks both against Gloo's all-reduce, with
+// buckets of many segments), each rank having sent (N - 1)/N of the buffer, the least any
+// reduce-scatter sends, and half what an all-reduce sends. An all-gather is the same ring
 // without the sums, in place. One worker thread runs the jobs in the order they were enqueued,
 // the same on every rank (buckets in launch order, then the all-gathers in the sharded step's
 // order), on a Gloo backend of its own: only its thread sends and receives there, with a tag per
@@ -56,6 +63,9 @@ class RingJob {
 
 class RingCollectives {
  public:
+  static constexpr int64_t kMaxWorldSize = 64;  // the message tags' range
+
+
   // `backend`: a Gloo backend over the group's ranks that nothing else uses (see Note [Ring
   // collectives on Gloo]); `timeout`: the most any send or receive may take. Python thread.
   RingCollectives(BackendPtr backend, std::chrono::milliseconds timeout);
@@ -65,7 +75,8 @@ class RingCollectives {
   RingCollectives& operator=(const RingCollectives&) = delete;
 
   // Enqueues the SUM reduce-scatter of `flat` (n x world size elements) into `shard` (n): rank
-  // r's shard receives elements [r n, (r + 1) n) of the sum. `done_ns` (may be null) gets the
+  // r's shard receives elements [r n, (r + 1) n) of the sum, summed in Gloo's all-reduce order
+  // where n is shard_numel (bucket.h) of the elements before the padding. `done_ns` (may be null) gets the
   // completion time (Timeline::now_ns). Every rank enqueues the same jobs in the same order.
   // Any thread.
   std::shared_ptr<RingJob> reduce_scatter(at::Tensor flat, at::Tensor shard, std::string what,
@@ -81,7 +92,7 @@ class RingCollectives {
  private:
   std::shared_ptr<RingJob> enqueue(std::function<void()> body, std::string what);
   void run();
-  // One step: sends `out` to the next rank and receives `in` from the previous, both waited for.
+  // One step: sends `out` to rank - 1 and receives `in` from rank + 1, both waited for.
   void exchange(const at::Tensor& out, const at::Tensor& in, int tag);
   void run_reduce_scatter(const at::Tensor& flat, const at::Tensor& shard);
   void run_all_gather(const at::Tensor& flat);

@@ -20,13 +20,18 @@ parameter's .grad is None (or zeros with zero_grad(set_to_none=False)): the upda
 zero_grad(). Two synced backwards without a step() or zero_grad() between them are refused
 (the second would overwrite the first's shards); accumulate under no_sync(), as with DDP.
 Exactness: the optimizers of checks.ELEMENTWISE update each element from that element alone, so
-a piece's step is the whole step's restricted to it, bit for bit. With 2 ranks the reduce-scatter
-sums are a + b, the all-reduce's, bit for bit; with more, the backend's summation order differs
-from its all-reduce's (within float rounding), and so does a clip's norm (summed per shard).
+a piece's step is the whole step's restricted to it, bit for bit. On Gloo the reduce-scatters
+sum every element in the order of Gloo's all-reduce (Note [Ring collectives on Gloo] in
+csrc/ring.h), so each shard is torch DDP's averaged gradient bit for bit at any world size (up to
+the rings' 64 ranks), and so is a clip's norm (Note [Clipping shards]). What it rests on: the
+same buckets as torch DDP (a bucket's elements decide Gloo's chunks, and so its summation order).
+On NCCL the reduce-scatter's order is NCCL's own (within float rounding of its all-reduce).
 
 Note [Sharded optimizer state]
-Shards cut through parameters where buckets do: bucket b's buffer, padded to a multiple of N
-elements, is cut into N equal shards; rank r's shard holds, for each parameter whose slot
+Shards cut through parameters where buckets do: bucket b's buffer is cut into N equal shards,
+the chunks Gloo's ring all-reduce leaves on each rank (csrc/bucket.h: shard_numel; the buffer
+padded after its elements to N of them, so a last rank's shard may be partly or all padding, more
+so in small buckets); rank r's shard holds, for each parameter whose slot
 overlaps it, a piece: the elements [start, stop) of that parameter in its memory order (the
 slot's order; layout.py). The optimizer's state is kept per piece: each elementwise state
 tensor (exp_avg, exp_avg_sq, momentum_buffer, square_avg, sum, ...) holds the piece's elements

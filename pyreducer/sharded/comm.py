@@ -1,10 +1,12 @@
 """The sharded step's collectives, beside the Reducer's reduce-scatters (Note [Sharded buckets]
 in csrc/reducer.h): the parameters' all-gathers, the clip norm's all-reduce, and the state
-gathers of a checkpoint. On NCCL, on the group. On Gloo with 2 ranks, the buckets'
-reduce-scatters and all-gathers travel in rings of sends and receives (Note [Ring collectives on
-Gloo] in csrc/ring.h: Gloo's own reduce-scatter costs an all-reduce), on a Gloo backend of their
-own; the rest (and everything with 3 or more ranks: RING_WORLD_SIZE) runs on a one-thread Gloo
-backend (pyreducer/gloo_race.py: torch's race on long op names).
+gathers of a checkpoint. On NCCL, on the group. On Gloo, the buckets' reduce-scatters and
+all-gathers travel in rings of sends and receives (Note [Ring collectives on Gloo] in
+csrc/ring.h: Gloo's own reduce-scatter costs an all-reduce, and may sum in another order than
+its all-reduce, torch DDP's; the rings sum in that order), on a Gloo backend of their own; the
+rest runs on a one-thread Gloo backend (pyreducer/gloo_race.py: torch's race on long op names),
+as do the reduce-scatters and all-gathers beyond the rings' world sizes (RingCollectives.
+max_world_size, 64 ranks).
 """
 from __future__ import annotations
 
@@ -14,13 +16,6 @@ import torch.distributed as dist
 from pyreducer import gloo_race, torch_versions
 from pyreducer._ext import _C
 
-
-# Where the rings replace Gloo's reduce-scatter: with 2 ranks a ring's sums are x[0] + x[1], Gloo's
-# all-reduce's (torch DDP's) bit for bit. With more, a ring sums in another order than Gloo's
-# all-reduce (within float rounding, which Adam-like updates can amplify where gradients nearly
-# cancel), so there Gloo's own reduce-scatter stays: its sums are its all-reduce's, and so is
-# its cost (4 emulated hosts, 25 MB: 353 ms against 180 ms for the ring).
-RING_WORLD_SIZE = 2
 
 
 class ShardComm:
@@ -35,7 +30,7 @@ class ShardComm:
         if self.world_size > 1 and dist.get_backend(group) == "gloo":  # (collective: backends)
             if torch_versions.GLOO_STATUS_RACE:
                 self.backend = gloo_race.one_thread_backend(group, "sharded")
-            if self.world_size == RING_WORLD_SIZE:
+            if self.world_size <= _C.RingCollectives.max_world_size:
                 timeout_ms = int(gloo_race.group_timeout(group).total_seconds() * 1000)
                 self.ring = _C.RingCollectives(gloo_race.one_thread_backend(group, "ring"),
                                                timeout_ms)

@@ -8,6 +8,8 @@ import dataclasses
 
 import torch
 
+from pyreducer._ext import _C
+
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
@@ -28,19 +30,21 @@ class Piece:
 
 
 class Layout:
-    """The shards of a bucket plan: bucket b's padded buffer (its slots' elements rounded up to
-    a multiple of world_size, as csrc/bucket.cpp pads it) is cut into world_size equal shards,
-    rank r owning elements [r * shard_numel[b], (r + 1) * shard_numel[b]).
+    """The shards of a bucket plan: bucket b's buffer, padded as csrc/bucket.cpp pads it, is cut
+    into world_size equal shards, rank r owning elements [r * shard_numel[b], (r + 1) *
+    shard_numel[b]); shard_numel is _C.shard_numel (csrc/bucket.h: the chunks of Gloo's ring
+    all-reduce, so a rank's shard may hold fewer real elements than another's, or none).
 
     Args:
         buckets: parameter indices per bucket, in slot order (Reducer.bucket_layout()).
-        numels: element count per parameter.
+        numels, element_sizes: element count and bytes per element, per parameter.
         world_size, rank: the group's.
     """
 
-    def __init__(self, buckets: list[list[int]], numels: list[int], world_size: int, rank: int):
+    def __init__(self, buckets: list[list[int]], numels: list[int], element_sizes: list[int],
+                 world_size: int, rank: int):
         self.buckets = [list(b) for b in buckets]
-        self.numels = list(numels)
+        self.numels, self.element_sizes = list(numels), list(element_sizes)
         self.world_size, self.rank = world_size, rank
         self.slot_offsets: list[list[int]] = []  # per bucket, per slot: first element in it
         self.shard_numel: list[int] = []
@@ -50,7 +54,8 @@ class Layout:
                 offsets.append(offset)
                 offset += numels[i]
             self.slot_offsets.append(offsets)
-            self.shard_numel.append(-(-offset // world_size))  # ceil: the padded size / world
+            self.shard_numel.append(_C.shard_numel(offset, world_size,
+                                                   self.element_sizes[indices[0]]))
         self.pieces = self.pieces_of(rank)
 
     def pieces_of(self, rank: int) -> list[Piece]:
@@ -67,17 +72,18 @@ class Layout:
 
     def same_as(self, other: Layout | None) -> bool:
         return other is not None and (self.buckets, self.numels, self.world_size) == \
-            (other.buckets, other.numels, other.world_size)
+            (other.buckets, other.numels, other.world_size) and \
+            self.shard_numel == other.shard_numel
 
     def describe(self) -> dict:
         """What a sharded checkpoint records to rebuild this layout (from_description)."""
-        return dict(buckets=self.buckets, numels=self.numels, world_size=self.world_size,
-                    rank=self.rank)
+        return dict(buckets=self.buckets, numels=self.numels, element_sizes=self.element_sizes,
+                    world_size=self.world_size, rank=self.rank)
 
     @classmethod
     def from_description(cls, description: dict) -> Layout:
-        return cls(description["buckets"], description["numels"], description["world_size"],
-                   description["rank"])
+        return cls(description["buckets"], description["numels"], description["element_sizes"],
+                   description["world_size"], description["rank"])
 
 
 def flat_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -70,8 +70,9 @@ class ShardedOptimizer(OverlapOptimizer):
         """The pieces of the Reducer's current buckets: on a new plan (a rebuild), the state
         moves to the new pieces (collective, on every rank at the same step)."""
         layout_now = [entry["param_indices"] for entry in self.reducer.bucket_layout()]
-        layout = Layout(layout_now, [p.numel() for p in self.params.tensors],
-                        self.comm.world_size, self.comm.rank)
+        tensors = self.params.tensors
+        layout = Layout(layout_now, [p.numel() for p in tensors],
+                        [p.element_size() for p in tensors], self.comm.world_size, self.comm.rank)
         flats = self.reducer.bucket_buffers()
         if layout.same_as(self.pieces.layout):
             self.pieces.rebind(flats)

@@ -150,8 +150,6 @@ def launch_phase(phase, model, hosts, variants, args) -> dict:
                      "batch"):
             if getattr(args, flag) is not None:
                 argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-        if args.ring_any_size:
-            argv.append("--ring-any-size")
         launch(hosts, argv, args, tmp, MEMORY_ENV if phase == "memory" else {})
         with open(out) as f:
             return json.load(f)
@@ -404,9 +402,6 @@ def parse_args(argv):
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     parser.add_argument("--timeout", type=float, default=1200, help="per launch, seconds")
-    parser.add_argument("--ring-any-size", action="store_true",
-                        help="an experiment: the sharded optimizer's Gloo rings at 3+ ranks too "
-                             "(sums not torch DDP's bit for bit there)")
     parser.add_argument("--out", required=True, help="directory for the results")
     args = parser.parse_args(argv)
     if args.quick:

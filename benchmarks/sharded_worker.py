@@ -417,10 +417,6 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=3)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--ring-any-size", action="store_true",
-                        help="an experiment: the sharded optimizer's Gloo rings at any world size "
-                             "(pyreducer/sharded/comm.py uses them at 2 ranks only: elsewhere "
-                             "their sums are not torch DDP's bit for bit)")
     parser.add_argument("--progress", help="where each rank records what it does (the driver "
                         "reads it if the ranks fail)")
     return parser.parse_args(argv)
@@ -431,10 +427,6 @@ def main(argv=None):
     args.warmup = max(1, args.warmup)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    if args.ring_any_size:
-        from pyreducer.sharded import comm
-
-        comm.RING_WORLD_SIZE = dist.get_world_size()
     PROGRESS["path"] = args.progress
     rank = dist.get_rank()
     spec = models.spec(args.model)

@@ -322,6 +322,8 @@ void bind_completion(Class& reducer) {
       .def("set_sharded", &Reducer::set_sharded, py::arg("sharded"), py::arg("backend"),
            py::arg("ring") = nullptr, RELEASE, "See Note [Sharded buckets] in csrc/reducer.h.")
       .def("shard_buffers", &Reducer::shard_buffers, RELEASE)
+      .def("release_bucket_buffer", &Reducer::release_bucket_buffer, py::arg("bucket"), RELEASE)
+      .def("acquire_bucket_buffer", &Reducer::acquire_bucket_buffer, py::arg("bucket"), RELEASE)
       .def("globally_unused", &Reducer::globally_unused, RELEASE);
 }
 

@@ -4,6 +4,8 @@
 #include <stdexcept>
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StorageImpl.h>
 
 namespace pyreducer {
 
@@ -45,6 +47,28 @@ int64_t shard_numel(int64_t numel, int64_t shards, int64_t element_size) {
   return segments / shards * segment_bytes / element_size;
 }
 
+void release_buffer(Bucket& bucket) {
+  if (bucket.sparse || bucket.released || !bucket.flat.defined()) return;
+  c10::StorageImpl* storage = bucket.flat.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(c10::DataPtr(nullptr, bucket.flat.device()));
+  storage->set_nbytes(0);
+  bucket.released = true;
+}
+
+void acquire_buffer(Bucket& bucket) {
+  if (!bucket.released) return;
+  const c10::DeviceGuard on_device(bucket.flat.device());
+  c10::StorageImpl* storage = bucket.flat.storage().unsafeGetStorageImpl();
+  const int64_t nbytes = size_bytes(bucket.flat);
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+  bucket.released = false;
+  const int64_t slots = bucket.size_bytes / static_cast<int64_t>(bucket.flat.element_size());
+  if (slots < bucket.flat.numel()) {
+    bucket.flat.narrow(0, slots, bucket.flat.numel() - slots).zero_();
+  }
+}
+
 int64_t size_bytes(const at::Tensor& tensor) {
   return tensor.numel() * static_cast<int64_t>(tensor.element_size());
 }
@@ -53,8 +77,8 @@ BucketSet make_buckets(const std::vector<at::Tensor>& params,
                        const std::vector<std::string>& param_names,
                        const std::vector<std::vector<int64_t>>& plan,
                        const std::vector<uint8_t>& sparse, int64_t shards) {
-  if (shards < 1) {
-    throw std::invalid_argument("bucket plan: expected at least 1 shard, got " +
+  if (shards < 0) {
+    throw std::invalid_argument("bucket plan: expected 0 (not sharded) or more shards, got " +
                                 std::to_string(shards));
   }
   auto is_sparse = [&](int64_t i) { return !sparse.empty() && sparse[i]; };
@@ -101,9 +125,10 @@ BucketSet make_buckets(const std::vector<at::Tensor>& params,
       set.buckets.push_back(std::move(bucket));
       continue;
     }
-    const int64_t shard = shard_numel(numel, shards, first.element_size());
-    bucket.flat = at::zeros({shards * shard}, first.options().requires_grad(false));
-    if (shards > 1) bucket.shard = at::zeros({shard}, bucket.flat.options());
+    const int64_t parts = std::max<int64_t>(shards, 1);
+    const int64_t shard = shard_numel(numel, parts, first.element_size());
+    bucket.flat = at::zeros({parts * shard}, first.options().requires_grad(false));
+    if (shards > 0) bucket.shard = at::zeros({shard}, bucket.flat.options());
     bucket.size_bytes = numel * static_cast<int64_t>(first.element_size());
     int64_t offset = 0;
     for (int64_t i : bucket.param_indices) {

@@ -48,6 +48,7 @@ struct Bucket {
   // Sharded buckets (see Note [Sharded buckets] in reducer.h): this rank's 1/world_size of the
   // reduce-scattered sum, elements [rank * n, (rank + 1) * n) of flat; undefined otherwise.
   at::Tensor shard;
+  bool released = false;  // its buffer's memory given back (see Note [Released bucket buffers])
   std::shared_ptr<RingJob> ring_job;  // its reduce-scatter in a ring (see Note [Ring collectives
                                       // on Gloo] in ring.h); null otherwise
   std::vector<c10::Stream> copy_streams;  // see Note [Streams of a bucket]
@@ -75,12 +76,13 @@ struct BucketSet {
 // `sparse` (per parameter; empty: none) form sparse buckets, one parameter each, without buffer.
 // Throws std::invalid_argument naming the parameter if the plan is not a partition of all
 // parameters, a bucket mixes dtypes or devices, or a sparse parameter shares a bucket.
-// `shards` > 1: each flat buffer is zero-padded to `shards` x shard_numel(...) elements after
-// its last slot (size_bytes stays the slots'), and gets a zeroed `shard` of shard_numel elements.
+// `shards` > 0 (sharded, one shard per rank): each flat buffer is zero-padded to `shards` x
+// shard_numel(...) elements after its last slot (size_bytes stays the slots'), and gets a zeroed
+// `shard` of shard_numel elements (with 1 rank, a copy of the whole). 0: not sharded.
 BucketSet make_buckets(const std::vector<at::Tensor>& params,
                        const std::vector<std::string>& param_names,
                        const std::vector<std::vector<int64_t>>& plan,
-                       const std::vector<uint8_t>& sparse, int64_t shards = 1);
+                       const std::vector<uint8_t>& sparse, int64_t shards = 0);
 
 // The elements of each of `shards` equal shards of a bucket of `numel` elements of
 // `element_size` bytes: the chunk Gloo's ring all-reduce leaves on each rank (gloo/allreduce.cc,
@@ -90,6 +92,14 @@ BucketSet make_buckets(const std::vector<at::Tensor>& params,
 // [Ring collectives on Gloo] in ring.h). At least ceil(numel / shards); 1 shard: numel. The one
 // definition (Python reads it as pyreducer._C.shard_numel).
 int64_t shard_numel(int64_t numel, int64_t shards, int64_t element_size);
+
+// See Note [Released bucket buffers] in reducer.h. release_buffer frees a dense bucket's buffer
+// memory (flat and its views keep their shapes over an empty storage); acquire_buffer allocates
+// it again from the same allocator, on the buffer's device, with the padding after its slots
+// zeroed and the slots' contents undefined (every slot is written before the bucket is read).
+// Both are no-ops where there is nothing to do.
+void release_buffer(Bucket& bucket);
+void acquire_buffer(Bucket& bucket);
 
 // "dtype/device" of a tensor: parameters with different keys never share a bucket. The one
 // definition (Python reads it as pyreducer._C.group_key).

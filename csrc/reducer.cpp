@@ -304,6 +304,7 @@ void Reducer::mark_ready(size_t index) {
   if (bucket.sparse) {
     mark_sparse_ready(index, bucket);
   } else {
+    if (bucket.released) acquire_buffer(bucket);  // See Note [Released bucket buffers]
     copy_into_slot(index, bucket.views[location.slot]);
   }
   note_copy_stream(bucket);  // See Note [Streams of a bucket]

@@ -59,6 +59,17 @@
 // Gloo backend (its op name is long: Note [Sparse gradients beside Gloo's race]), whose
 // reduce-scatter may sum in another order; on NCCL to the group.
 //
+// Note [Released bucket buffers]
+// A sharded bucket's buffer is needed from its first gradient in backward until its parameters
+// are written from it in the next forward: it is the reduce-scatter's input, then the
+// parameters' all-gather target. So the sharded optimizer releases each bucket's buffer once
+// its parameters are written (release_bucket_buffer), and mark_ready acquires it again at the
+// bucket's first gradient of the next backward: through the forward, where activations pile
+// up, a rank holds its 1/N shards of the gradients, not the buckets. The storage is emptied
+// and refilled in place, so every view of it (slots, the optimizer's pieces) stays valid with
+// no rebinding; the padding is zeroed again, the slots are written before they are read. Not
+// with gradient_as_bucket_view: the .grad tensors are views of the buffer.
+//
 // Note [Deferred completion]
 // With deferred completion on (an overlapped optimizer, pyreducer/overlap.py), finalize_backward
 // checks and launches as usual but does not wait: the buckets' reductions stay in flight past
@@ -201,6 +212,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Each bucket's shard (see Note [Sharded buckets]): valid once the bucket is completed, until
   // the next backward reaches it; undefined tensors when sharding is off.
   std::vector<at::Tensor> shard_buffers() const;
+  // See Note [Released bucket buffers]: gives back bucket b's buffer memory until the next
+  // backward copies a gradient into it (or acquire_bucket_buffer); false (kept) with
+  // gradient_as_bucket_view, whose .grad views need it. Only with sharding on and b's reduction
+  // completed: std::logic_error naming what differs else. Python thread, between backward and
+  // the next forward's end.
+  bool release_bucket_buffer(size_t b);
+  // Bucket b's buffer memory again, if released (padding zeroed, slots undefined until
+  // written). Python thread.
+  void acquire_bucket_buffer(size_t b);
   // Parameters (indices) found unused on every rank by the last completed synced backward (with
   // find_unused_parameters): their gradients were not written, and a sharded step skips them.
   std::vector<int64_t> globally_unused() const;

@@ -475,10 +475,11 @@ void Reducer::install_plan(const std::vector<std::vector<int64_t>>& plan) {
   // read). Recorded on those, their memory is not handed to another stream's allocation before
   // those streams are past the reductions and the copy-outs. (Compiled, not run: no GPU here.)
   for (Bucket& bucket : set_.buckets) {
-    if (!bucket.flat.defined() || bucket.flat.device().is_cpu()) continue;
+    if (!bucket.flat.defined() || bucket.released || bucket.flat.device().is_cpu()) continue;
     for (const c10::Stream& stream : bucket.wait_streams) bucket.flat.record_stream(stream);
   }
-  set_ = make_buckets(params_, param_names_, plan, sparse_, sharded_ ? world_size_ : 1);  // validates before anything changes
+  // (validates before anything changes)
+  set_ = make_buckets(params_, param_names_, plan, sparse_, sharded_ ? world_size_ : 0);
   launch_order_.resize(set_.buckets.size());
   std::iota(launch_order_.begin(), launch_order_.end(), 0);  // See Note [Launch order]
   chunks_.assign(set_.buckets.size(), 1);

@@ -182,6 +182,33 @@ std::vector<at::Tensor> Reducer::shard_buffers() const {
   return shards;
 }
 
+bool Reducer::release_bucket_buffer(size_t b) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (b >= set_.buckets.size()) {
+    throw std::out_of_range("release_bucket_buffer: bucket " + std::to_string(b) + " of " +
+                            std::to_string(set_.buckets.size()));
+  }
+  Bucket& bucket = set_.buckets[b];
+  if (!sharded_ || !bucket.works.empty() || bucket.ring_job) {
+    throw std::logic_error("pyreducer: bucket " + std::to_string(b) + "'s buffer can be "
+                           "released only when sharded (is " + std::to_string(sharded_) +
+                           ") with no reduction in flight (" +
+                           std::to_string(bucket.works.size() + (bucket.ring_job ? 1 : 0)) +
+                           " in flight)");
+  }
+  if (options_.gradient_as_bucket_view) return false;
+  if (!bucket.flat.device().is_cpu()) {  // (as install_plan frees buffers; compiled, not run)
+    for (const c10::Stream& stream : bucket.wait_streams) bucket.flat.record_stream(stream);
+  }
+  release_buffer(bucket);
+  return true;
+}
+
+void Reducer::acquire_bucket_buffer(size_t b) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  acquire_buffer(set_.buckets.at(b));
+}
+
 std::vector<int64_t> Reducer::globally_unused() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<int64_t> unused;

@@ -248,6 +248,7 @@ class ShardedOptimizer(OverlapOptimizer):
         if self.max_grad_norm is None:  # (the unused map is resolved for bucket b's parameters)
             self.pieces.take_grads([b], self.reducer.shard_buffers(),
                                    set(self.reducer.globally_unused()))
+        self.reducer.acquire_bucket_buffer(b)  # (released, if no gradient reached it since)
         members = self.pieces.load_values(b)
         subset_step.step_subset(self.inner, members, self.settings)
         event["updated_ns"] = event["gather_launch_ns"] = _C.Reducer.now_ns()
@@ -270,6 +271,8 @@ class ShardedOptimizer(OverlapOptimizer):
                 self.pieces.write_back(b, self.pieces.flats[b])
         finally:
             self.busy = False
+        if work is not None:  # its memory back until the next backward reaches the bucket
+            self.reducer.release_bucket_buffer(b)  # (Note [Released bucket buffers])
         for p in group:  # no zero_grad() since step(): None, as if it was called
             set_to_none = self.to_zero.pop(id(p), True)  # (Note [Sharded step])
             if set_to_none:

@@ -256,10 +256,10 @@ def _torch_indices(optimizer) -> dict[int, int]:
 
 
 def memory_bytes(params, reducer, state_bytes: int) -> dict:
-    """This rank's bytes: parameters, .grad tensors not aliasing a bucket, bucket buffers,
-    their shards, optimizer state."""
+    """This rank's bytes: parameters, .grad tensors not aliasing a bucket, bucket buffers (held
+    now: Note [Released bucket buffers]), their shards, optimizer state."""
     flats = reducer.bucket_buffers()
-    bucket_storages = {f.untyped_storage().data_ptr() for f in flats}
+    bucket_storages = {f.untyped_storage().data_ptr() for f in flats} - {0}
     grads = {}
     for p in params:
         with torch._C.DisableTorchFunctionSubclass():  # (a pending parameter's .grad)
@@ -268,7 +268,7 @@ def memory_bytes(params, reducer, state_bytes: int) -> dict:
             grads[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
     return dict(parameters=sum(p.numel() * p.element_size() for p in params),
                 gradients=sum(grads.values()),
-                gradient_buckets=sum(f.numel() * f.element_size() for f in flats),
+                gradient_buckets=sum(f.untyped_storage().nbytes() for f in flats),
                 gradient_shards=sum(s.numel() * s.element_size()
                                     for s in reducer.shard_buffers() if s is not None),
                 optimizer_state=state_bytes)

@@ -8,7 +8,8 @@ differently, and pieces move where the tail falls): within 1e-6.
 Checkpoints: the sharded one resumed on the same buckets (bit for bit) and on others (gathered and
 cut again; within 1e-6 at 3+ ranks, where the resumed run's first buckets are the initial plan's),
 the gathered one resumed, and the gathered one loaded by a plain torch optimizer. Also that the
-updates run in the next forward, the memory is ~1/N, and what is refused, by name."""
+updates run in the next forward, the memory is ~1/N, the buckets' buffers are given back after
+the update, and what is refused, by name."""
 import copy
 
 import pytest
@@ -159,6 +160,29 @@ def test_optimizer_state_is_one_nth(trained, name):
         mine = r[name]["ours"]["memory"]["optimizer_state"]
         whole = r[name]["torch"]["memory"]["optimizer_state"]
         assert 0 < mine <= 1.10 * whole / world_size, (mine, whole)
+
+
+@pytest.mark.parametrize("name", ["mlp_adam", "tied_adam", "hold_back_2", "cnn_sgd_bucket_view"])
+def test_bucket_buffers_are_released_after_the_update(trained, name):
+    """Note [Released bucket buffers]: each step's record holds the buckets whole (the backward
+    took their memory again), and once the parameters are written the buckets' memory is given
+    back, the shards kept; with gradient_as_bucket_view the buffers stay (the .grad views)."""
+    _, results = trained
+    for r in results:
+        ours = r[name]["ours"]
+        at_step = ours["last_overlap"]["memory"]
+        assert at_step["gradient_buckets"] >= at_step["parameters"] > 0, at_step
+        after = ours["memory"]["gradient_buckets"]
+        bucket_view = CASES[name]["ddp"].get("gradient_as_bucket_view", False)
+        assert after == (at_step["gradient_buckets"] if bucket_view else 0), (after, at_step)
+        assert ours["memory"]["gradient_shards"] == at_step["gradient_shards"] > 0
+
+
+@pytest.mark.parametrize("name", ["mlp_adam", "clip_unused_sgd", "cnn_sgd_bucket_view"])
+def test_one_rank_matches_torch_ddp(ranks_once, name):
+    """World size 1 (a debugging run, the GPU kit's): each bucket's shard is the whole of it."""
+    r, = ranks_once(sharded_worker, 1, (("mlp_adam", "clip_unused_sgd", "cnn_sgd_bucket_view"),))
+    _assert_same(r[name]["ours"], r[name]["torch"], True, "rank 0 of 1")
 
 
 def refusal_worker(rank, world_size):

@@ -344,7 +344,11 @@ void Reducer::copy_into_slot(size_t index, at::Tensor& slot) {
     if (!comm_hook_) slot.div_(divisor_);  // bucket view, accumulated in place: as DDP
   } else {
     copy_scaled_into(slot, grad, grad_scale_);
-    if (options_.gradient_as_bucket_view) grad = slot;
+    if (options_.gradient_as_bucket_view) {
+      grad = slot;
+    } else if (sharded_ && !is_unused_[index]) {
+      grad = at::Tensor();  // in the bucket now, and not read again (Note [Sharded gradients])
+    }
   }
 }
 

@@ -59,6 +59,14 @@
 // Gloo backend (its op name is long: Note [Sparse gradients beside Gloo's race]), whose
 // reduce-scatter may sum in another order; on NCCL to the group.
 //
+// Note [Sharded gradients]
+// A sharded bucket's gradients are read from the bucket only (its reduce-scatter), never from
+// param.grad again (reading .grad before the update is refused; after it, .grad is None or
+// zeros), so once a gradient is copied into its slot the Reducer lets go of param.grad (without
+// gradient_as_bucket_view): at the end of backward a rank holds the gradients once, in the
+// buckets, where torch DDP holds them twice (.grad and bucket). Parameters marked unused keep
+// theirs (a stale .grad is what the step uses for a parameter unused on every rank, as torch's).
+//
 // Note [Released bucket buffers]
 // A sharded bucket's buffer is needed from its first gradient in backward until its parameters
 // are written from it in the next forward: it is the reduce-scatter's input, then the

@@ -122,10 +122,20 @@ void Reducer::copy_bucket_in(size_t b) {
     }
   }
   bucket_copy_in(bucket.flat, grads, offsets, divisor);
-  if (options_.gradient_as_bucket_view) {
+  if (options_.gradient_as_bucket_view || sharded_) {
     for (size_t k = 0; k < bucket.param_indices.size(); ++k) {
       at::Tensor& grad = params_[bucket.param_indices[k]].mutable_grad();
-      if (grad.defined()) grad = bucket.views[k];
+      if (!grad.defined()) continue;
+      if (options_.gradient_as_bucket_view) {
+        grad = bucket.views[k];
+        continue;
+      }
+      if (is_unused_[bucket.param_indices[k]]) continue;
+      if (!grad.is_cpu()) {  // the copy on this stream may not have run yet (compiled, not run)
+        grad.record_stream(c10::impl::VirtualGuardImpl(grad.device().type())
+                               .getStream(grad.device()));
+      }
+      grad = at::Tensor();  // See Note [Sharded gradients]
     }
   }
 }

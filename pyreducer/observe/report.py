@@ -53,14 +53,17 @@ def tuning_text(tuning: dict | None) -> list[str]:
 
 
 def memory_text(timelines: list[list[dict]]) -> list[str]:
-    """Lines on a sharded optimizer's memory per rank (its last recorded iteration's)."""
+    """Lines on a sharded optimizer's memory per rank (its last recorded iteration's): when the
+    step began (after the backward) and after the update (through the forward)."""
     lines = []
     for rank, timeline in enumerate(timelines):
-        memory = next((r["overlap"]["memory"] for r in reversed(timeline)
-                       if r.get("overlap", {}).get("memory")), None)
-        if memory:
-            lines.append(f"rank {rank} memory (sharded optimizer, MB): " + ", ".join(
-                f"{name.replace('_', ' ')} {value / 2**20:.2f}" for name, value in memory.items()))
+        overlap = next((r["overlap"] for r in reversed(timeline)
+                        if r.get("overlap", {}).get("memory")), None)
+        for key, when in (("memory", "at the step"), ("memory_after_update", "after the update")):
+            if overlap and overlap.get(key):
+                lines.append(f"rank {rank} memory {when} (sharded optimizer, MB): " + ", ".join(
+                    f"{name.replace('_', ' ')} {value / 2**20:.2f}"
+                    for name, value in overlap[key].items()))
     return lines
 
 

@@ -273,14 +273,19 @@ class ShardedOptimizer(OverlapOptimizer):
             self.busy = False
         if work is not None:  # its memory back until the next backward reaches the bucket
             self.reducer.release_bucket_buffer(b)  # (Note [Released bucket buffers])
+        unused = set(self.reducer.globally_unused())
         for p in group:  # no zero_grad() since step(): None, as if it was called
             set_to_none = self.to_zero.pop(id(p), True)  # (Note [Sharded step])
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+            elif self.index[id(p)] not in unused:  # its .grad went into the bucket, let go
+                p.grad = torch.zeros_like(p)       # (Note [Sharded gradients]): zeros, as torch
         if not self.pending:
             self.stepped = False
+            if self.current is not None:  # what the forward holds (Note [Released bucket buffers])
+                self.current["memory_after_update"] = self.memory_bytes()
 
     def remove(self) -> None:
         """Detaches this optimizer (model.overlap_optimizer called again): the wrapped

@@ -165,16 +165,20 @@ def test_optimizer_state_is_one_nth(trained, name):
 @pytest.mark.parametrize("name", ["mlp_adam", "tied_adam", "hold_back_2", "cnn_sgd_bucket_view"])
 def test_bucket_buffers_are_released_after_the_update(trained, name):
     """Note [Released bucket buffers]: each step's record holds the buckets whole (the backward
-    took their memory again), and once the parameters are written the buckets' memory is given
-    back, the shards kept; with gradient_as_bucket_view the buffers stay (the .grad views)."""
+    took their memory again) and no .grad beside them (Note [Sharded gradients]); once the
+    parameters are written the buckets' memory is given back, the shards kept (the record's
+    "memory_after_update" says so too); with gradient_as_bucket_view the buffers stay (the .grad
+    views)."""
     _, results = trained
     for r in results:
         ours = r[name]["ours"]
         at_step = ours["last_overlap"]["memory"]
         assert at_step["gradient_buckets"] >= at_step["parameters"] > 0, at_step
+        assert at_step["gradients"] == 0, at_step
         after = ours["memory"]["gradient_buckets"]
         bucket_view = CASES[name]["ddp"].get("gradient_as_bucket_view", False)
         assert after == (at_step["gradient_buckets"] if bucket_view else 0), (after, at_step)
+        assert ours["last_overlap"]["memory_after_update"]["gradient_buckets"] == after
         assert ours["memory"]["gradient_shards"] == at_step["gradient_shards"] > 0
 
 

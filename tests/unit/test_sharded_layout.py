@@ -119,7 +119,12 @@ def test_norm_of_a_view_in_memory_order(numel, start):
 def test_report_lists_the_sharded_memory_per_rank():
     from pyreducer.observe.report import memory_text
 
-    memory = dict(parameters=2**20, optimizer_state=2**19)
-    timelines = [[dict(overlap=dict(memory=memory))], [dict()]]
+    memory = dict(parameters=2**20, gradient_buckets=2**20, optimizer_state=2**19)
+    after = dict(memory, gradient_buckets=0)
+    timelines = [[dict(overlap=dict(memory=memory, memory_after_update=after))], [dict()]]
     lines = memory_text(timelines)
-    assert lines == ["rank 0 memory (sharded optimizer, MB): parameters 1.00, optimizer state 0.50"]
+    assert lines == [
+        "rank 0 memory at the step (sharded optimizer, MB): parameters 1.00, gradient buckets "
+        "1.00, optimizer state 0.50",
+        "rank 0 memory after the update (sharded optimizer, MB): parameters 1.00, gradient "
+        "buckets 0.00, optimizer state 0.50"]

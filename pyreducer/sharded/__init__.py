@@ -4,13 +4,16 @@ Note [Sharded step]
 The overlapped optimizer (Note [Overlapped step] in pyreducer/overlap.py) with the state and the
 update of each element on one rank only (ZeRO-2's division of work, on pyreducer's buckets):
   - backward: each bucket, full, is reduce-scattered instead of all-reduced (Note [Sharded
-    buckets] in csrc/reducer.h): rank r receives the sum of its 1/N of the bucket's buffer;
+    buckets] in csrc/reducer.h): rank r receives the sum of its 1/N of the bucket's buffer; each
+    .grad is let go once copied into its bucket (Note [Sharded gradients]);
   - step() records the update; the next forward's first read of a parameter (or
     synchronize()) runs it for every bucket, first-read buckets first: the bucket's reduction
     waited for, its shard stepped by the optimizer's own class over this rank's pieces
     (pyreducer/sharded/pieces.py), and its buffer all-gathered in place (each rank contributes
     its updated 1/N). The all-gathers run while the forward goes on; a parameter's first read
-    waits for its bucket's, then the bucket's parameters are written from the gathered buffer;
+    waits for its bucket's, then the bucket's parameters are written from the gathered buffer,
+    and the buffer's memory is given back until the next backward (Note [Released bucket
+    buffers]): through the forward a rank holds 1/N of the gradients (its shards);
   - max_grad_norm: the pieces' squared norms summed over ranks (one all-reduce of one number),
     then torch's clip arithmetic on each piece. Unused parameters (find_unused_parameters):
     a parameter unused on every rank keeps its own .grad, as with torch DDP (None: not stepped).

@@ -177,7 +177,8 @@ void bind_planner(py::module_& m) {
   m.def("size_bytes", &size_bytes, py::arg("tensor"),
         "Bytes of a tensor's elements, its slot in a bucket (csrc/bucket.h).");
   m.def("shard_numel", &shard_numel, py::arg("numel"), py::arg("shards"), py::arg("element_size"),
-        "Elements of each shard of a sharded bucket: Gloo's ring all-reduce chunk (csrc/bucket.h).");
+        "Elements of each shard of a sharded bucket: Gloo's ring all-reduce chunk "
+        "(csrc/bucket.h).");
 }
 
 // ReducerOptions, its defaults taken from C++ (csrc/reducer.h): Python sets what it changes.

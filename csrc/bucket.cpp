@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 namespace pyreducer {
 
@@ -67,6 +68,13 @@ void acquire_buffer(Bucket& bucket) {
   if (slots < bucket.flat.numel()) {
     bucket.flat.narrow(0, slots, bucket.flat.numel() - slots).zero_();
   }
+}
+
+void let_go_of_gradient(at::Tensor& grad) {
+  if (grad.defined() && !grad.is_cpu()) {
+    grad.record_stream(c10::impl::VirtualGuardImpl(grad.device().type()).getStream(grad.device()));
+  }
+  grad = at::Tensor();
 }
 
 int64_t size_bytes(const at::Tensor& tensor) {

@@ -101,6 +101,11 @@ int64_t shard_numel(int64_t numel, int64_t shards, int64_t element_size);
 void release_buffer(Bucket& bucket);
 void acquire_buffer(Bucket& bucket);
 
+// Drops a gradient copied into its bucket (see Note [Sharded gradients] in reducer.h); off the
+// CPU, first records the current stream on it: the copy enqueued there may not have run yet
+// (compiled, not run).
+void let_go_of_gradient(at::Tensor& grad);
+
 // "dtype/device" of a tensor: parameters with different keys never share a bucket. The one
 // definition (Python reads it as pyreducer._C.group_key).
 std::string group_key(const at::Tensor& tensor);

@@ -347,7 +347,7 @@ void Reducer::copy_into_slot(size_t index, at::Tensor& slot) {
     if (options_.gradient_as_bucket_view) {
       grad = slot;
     } else if (sharded_ && !is_unused_[index]) {
-      grad = at::Tensor();  // in the bucket now, and not read again (Note [Sharded gradients])
+      let_go_of_gradient(grad);  // in the bucket now, not read again (Note [Sharded gradients])
     }
   }
 }

@@ -128,14 +128,9 @@ void Reducer::copy_bucket_in(size_t b) {
       if (!grad.defined()) continue;
       if (options_.gradient_as_bucket_view) {
         grad = bucket.views[k];
-        continue;
+      } else if (!is_unused_[bucket.param_indices[k]]) {
+        let_go_of_gradient(grad);  // See Note [Sharded gradients]
       }
-      if (is_unused_[bucket.param_indices[k]]) continue;
-      if (!grad.is_cpu()) {  // the copy on this stream may not have run yet (compiled, not run)
-        grad.record_stream(c10::impl::VirtualGuardImpl(grad.device().type())
-                               .getStream(grad.device()));
-      }
-      grad = at::Tensor();  // See Note [Sharded gradients]
     }
   }
 }

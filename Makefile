@@ -61,7 +61,7 @@ test-netem: build
 # and mixed precision (the ops), the overlapped optimizer (torch's optimizers' internals), compiled
 # models (dynamo's internals, pyreducer/compiled/dynamo.py; about 2 more minutes), the sparse
 # buckets' one-thread Gloo backend (torch's semi-private ProcessGroupGloo options and group
-# table: pyreducer/gloo_race.py), the sharded optimizer (torch's optimizers' state and Gloo's
+# table: pyreducer/wrapper/gloo_race.py), the sharded optimizer (torch's optimizers' state and Gloo's
 # reduce-scatter). The rest of the suite exercises the same code on any build.
 VERSION_LAYERS := tests/unit tests/multirank/test_parity.py tests/multirank/test_plan_matches_ddp.py \
     tests/multirank/test_ddp_private_api.py tests/multirank/test_torch_suite.py \
@@ -86,7 +86,7 @@ $(CUDA_STAMP):
 	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check numpy pytest ninja matplotlib expecttest
 	touch $@
 
-# The oldest supported torch (pyreducer/torch_versions.py), as the lent GPU machine has it: a venv
+# The oldest supported torch (pyreducer/wrapper/torch_versions.py), as the lent GPU machine has it: a venv
 # standing in for that machine's interpreter (its CUDA build comes from the package index, with
 # the nvidia-* packages; about 5 GB).
 OLDEST_VENV ?= .venv-torch211

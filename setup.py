@@ -29,9 +29,10 @@ FALLBACK_ARCHS = "8.0;9.0"
 
 
 def torch_versions():
-    """pyreducer/torch_versions.py, loaded alone (the package needs the extension built here)."""
+    """pyreducer/wrapper/torch_versions.py, loaded alone (the package needs the extension built
+    here)."""
     spec = importlib.util.spec_from_file_location(
-        "torch_versions", os.path.join(HERE, "pyreducer", "torch_versions.py"))
+        "torch_versions", os.path.join(HERE, "pyreducer", "wrapper", "torch_versions.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

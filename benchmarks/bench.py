@@ -148,7 +148,7 @@ def table(result) -> str:
 
 
 def schedule_lines(variant, entry) -> list[str]:
-    """The overlapped variant's schedule log (pyreducer/tuning/overlap_control.py) in words."""
+    """The overlapped variant's schedule log (pyreducer/overlap/schedule_tuner.py) in words."""
     lines = []
     for event in entry.get(f"{variant}_schedule", []):
         if event["event"] == "planned":

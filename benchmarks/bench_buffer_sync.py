@@ -1,6 +1,6 @@
 """How long the next forward waits for the buffers' broadcast under an overlapped optimizer: on
 a second process group (pyreducer: Note [Buffers beside deferred reductions] in
-pyreducer/sync.py) against on the wrapper's own group, behind the previous backward's
+pyreducer/wrapper/sync.py) against on the wrapper's own group, behind the previous backward's
 reductions still in flight there (the A/B switch: the wrapper's `_buffer_group` set to None).
 
 vgg_bn (VGG-like with BatchNorm, 10 MB of gradients) with a fixed schedule of 2 MB chunks (the

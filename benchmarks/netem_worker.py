@@ -24,7 +24,7 @@ from pyreducer import DistributedDataParallel  # noqa: E402
 
 from pyreducer.testing import models  # noqa: E402
 from pyreducer.tools.compare import paired_ratio, summarize  # noqa: E402
-from pyreducer.sync import slowest  # noqa: E402
+from pyreducer.wrapper.sync import slowest  # noqa: E402
 
 VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overlapped",
             "overlap")
@@ -83,9 +83,9 @@ def build(variant, base, cap):
 
 
 def optimizer(variant, model, hold_back=0, schedule="auto"):
-    """SGD; for "overlapped" the wrapper's overlapped optimizer around it (pyreducer/overlap.py),
-    with its own planned schedule ("auto"), or torch DDP's order ("fifo", implied by
-    hold_back)."""
+    """SGD; for "overlapped" the wrapper's overlapped optimizer around it
+    (pyreducer/overlap/optimizer.py), with its own planned schedule ("auto"), or torch DDP's order
+    ("fifo", implied by hold_back)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if variant not in OVERLAPPED:
         return opt

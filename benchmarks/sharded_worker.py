@@ -36,9 +36,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import netem_worker as nw  # noqa: E402  (sets PYREDUCER_TUNING_CACHE=off: every run tunes afresh)
-from pyreducer.sync import slowest  # noqa: E402
 from pyreducer.testing import models  # noqa: E402
 from pyreducer.tools.compare import paired_ratio, summarize  # noqa: E402
+from pyreducer.wrapper.sync import slowest  # noqa: E402
 
 VARIANTS = ("ddp_adamw", "zero", "fsdp2", "pyreducer_sharded", "ddp_adamw_4mb",
             "pyreducer_sharded_4mb", "pyreducer_overlap")

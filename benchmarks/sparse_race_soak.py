@@ -1,5 +1,5 @@
 """The sparse parity scenarios on 3 Gloo ranks, many times: pyreducer's runs must neither crash
-(torch's Gloo race, pyreducer/gloo_race.py) nor differ from torch DDP's result by one bit.
+(torch's Gloo race, pyreducer/wrapper/gloo_race.py) nor differ from torch DDP's result by one bit.
 
 torch DDP's sparse all-reduces are exposed to the race themselves, so its result is computed
 once, in runs of its own (repeated if one crashes; their crashes are counted apart), and every
@@ -39,7 +39,7 @@ def soak_worker(rank, world_size, names, which, runs=1):
     from pyreducer import DistributedDataParallel
     from pyreducer.testing import parity
 
-    from pyreducer import gloo_race
+    from pyreducer.wrapper import gloo_race
 
     cls = TorchDDP if which == "torch" else DistributedDataParallel
     out, first = {}, None

@@ -1,4 +1,4 @@
-"""Validates the overlap step model (pyreducer.tuning.schedule) against measured step times.
+"""Validates the overlap step model (pyreducer.overlap.schedule) against measured step times.
 
 For every run of benchmarks/bench.py with the `overlap` variant, takes what its schedule tuner
 planned from (the "planned" event of the schedule log: the profile, the schedule it was recorded
@@ -19,7 +19,7 @@ import sys
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks import tables  # noqa: E402
-from pyreducer.tuning.schedule import OverlapProfile, Schedule  # noqa: E402
+from pyreducer.overlap.schedule import OverlapProfile, Schedule  # noqa: E402
 
 
 def predictions(entry: dict, ranks: int, variant: str = "overlap") -> list[dict] | None:

@@ -115,7 +115,7 @@ class PythonCommHook : public CommHook {
   std::string name_;
 };
 
-// One iteration's event times as a dict (names as in pyreducer/timeline.py).
+// One iteration's event times as a dict (names as in pyreducer/wrapper/timeline.py).
 py::dict event_times(const EventTimes& t, const std::vector<std::vector<int64_t>>& plan) {
   py::dict entry;
   entry["backward_start_ns"] = t.backward_start_ns;
@@ -198,7 +198,7 @@ void bind_options(py::module_& m) {
       .def_readwrite("check_finite", &ReducerOptions::check_finite);
 }
 
-// A BackwardStats as a dict (see csrc/reducer.h; read by pyreducer/ddp_logging.py).
+// A BackwardStats as a dict (see csrc/reducer.h; read by pyreducer/wrapper/ddp_logging.py).
 py::dict backward_stats(const Reducer& reducer) {
   BackwardStats stats;
   {

@@ -33,7 +33,7 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
 
 // grad_accumulator() returns a std::shared_ptr<Node> in torch 2.11 and a c10::intrusive_ptr<Node>
 // in torch 2.13 and later: the type is the function's own, so one source builds against every
-// supported torch (pyreducer/torch_versions.py).
+// supported torch (pyreducer/wrapper/torch_versions.py).
 struct GradHooks::Owners {
   using Owner =
       decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));

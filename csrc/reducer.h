@@ -41,9 +41,10 @@
 // name ("_ALLREDUCE_SPARSE", 17 characters) is longer than libstdc++'s inline buffer, so two
 // threads finishing at once can free one heap buffer twice (heap corruption, crashes; a plain
 // torch reproducer: tests/upstream/gloo_sparse_race.py). pyreducer therefore all-reduces sparse
-// buckets on a Gloo backend of the same ranks with ONE worker thread (pyreducer/gloo_race.py):
-// its string is only ever written by that thread, and the group's own threads only ever write
-// short names. Dense buckets, and overlap, are as before; the sums are the same.
+// buckets on a Gloo backend of the same ranks with ONE worker thread
+// (pyreducer/wrapper/gloo_race.py): its string is only ever written by that thread, and the group's
+// own threads only ever write short names. Dense buckets, and overlap, are as before; the sums are
+// the same.
 //
 // Note [Sharded buckets]
 // With sharding on (a sharded overlapped optimizer, pyreducer/sharded/), each bucket's buffer is
@@ -79,10 +80,10 @@
 // with gradient_as_bucket_view: the .grad tensors are views of the buffer.
 //
 // Note [Deferred completion]
-// With deferred completion on (an overlapped optimizer, pyreducer/overlap.py), finalize_backward
-// checks and launches as usual but does not wait: the buckets' reductions stay in flight past
-// the end of backward, and complete_bucket(b) later waits for bucket b and writes its averages
-// into param.grad, bucket by bucket, while the next forward runs. Until every bucket is
+// With deferred completion on (an overlapped optimizer, pyreducer/overlap/optimizer.py),
+// finalize_backward checks and launches as usual but does not wait: the buckets' reductions stay in
+// flight past the end of backward, and complete_bucket(b) later waits for bucket b and writes its
+// averages into param.grad, bucket by bucket, while the next forward runs. Until every bucket is
 // completed, nothing that would touch them may run: prepare_for_backward, a rebuild, a new plan
 // and a joined rank's shadow complete what is left first; a gradient arriving meanwhile (a
 // backward through a graph the wrapper's forward did not make) raises.
@@ -96,8 +97,8 @@
 // launches once its bucket is full and the (k-1)-th has launched, so every rank issues the same
 // collectives in the same order whatever its timing; a bucket full before those ahead of it in
 // the sequence is held back. An overlapped optimizer uses this to serve the next forward first
-// (pyreducer/overlap.py, pyreducer/tuning/schedule.py): a few chunks of the buckets full early
-// keep the link busy during backward, then the first layers' buckets, full last, go ahead of
+// (pyreducer/overlap/optimizer.py, pyreducer/overlap/schedule.py): a few chunks of the buckets full
+// early keep the link busy during backward, then the first layers' buckets, full last, go ahead of
 // the rest. A bucket is complete when all its chunks are. Chunks take element ranges of one
 // SUM all-reduce, so with 2 ranks the sums are those of the whole bucket, bit for bit (with
 // more, the backend's summation order may follow the chunk's size, within float rounding).
@@ -159,8 +160,8 @@ struct ReducerOptions {
   bool check_finite = false;
 };
 
-// What torch DDP's logger reports of one synced backward (pyreducer/ddp_logging.py turns it into
-// _get_ddp_logging_data()). Times on the host's clock (Timeline::now_ns); 0: did not happen.
+// What torch DDP's logger reports of one synced backward (pyreducer/wrapper/ddp_logging.py turns it
+// into _get_ddp_logging_data()). Times on the host's clock (Timeline::now_ns); 0: did not happen.
 struct BackwardStats {
   int64_t iteration = 0;          // the synced iteration (1-based) this backward belonged to
   int64_t backward_start_ns = 0;  // prepare_for_backward: the forward's end (torch's
@@ -270,7 +271,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // `context(phase)` is called when a collective fails in backward (from the thread that saw it,
   // without the Reducer's lock; it may take the GIL), and its text is appended to the error:
-  // which ranks were lost (pyreducer/failures.py). Python thread, once.
+  // which ranks were lost (pyreducer/wrapper/failures.py). Python thread, once.
   void set_failure_context(std::function<std::string(const std::string&)> context);
 
   // Waits for bucket b's reduction (bounded by the process group's timeout) and writes its

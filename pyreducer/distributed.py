@@ -5,7 +5,7 @@ Swap `from torch.nn.parallel import DistributedDataParallel as DDP` for
 installed torch's DDP. The gradient path (hook, copy into bucket, all-reduce launch, copy back) is
 the C++ Reducer (csrc/reducer.cpp); this module builds it and does what DDP does around forward.
 It is the only module that reads the wrapper's private attributes: the modules beside it (join,
-timeline, tuning, tracing) get the ReducedParams (pyreducer.params) built here.
+timeline, tuning, tracing) get the ReducedParams (pyreducer.wrapper.params) built here.
 """
 from __future__ import annotations
 
@@ -18,22 +18,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from pyreducer import (arguments, bucketing, failures, nested, precision, sync, teardown,
-                       torch_versions)
-from pyreducer.compiled import CompiledSplits, frames
-from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
-from pyreducer.ddp_logging import DDPLogger
-from pyreducer.delayed import DelayedAllReduce
+from pyreducer.compiled import CompiledSplits, frames
 from pyreducer.overlap import OverlapOptimizer
 from pyreducer.sharded import ShardedOptimizer
-from pyreducer.join import (ReducerJoinHook, find_common_rank, refuse_unjoinable,
-                            vote_backward_sync)
-from pyreducer.params import ReducedParams, reduced_parameters
 from pyreducer.tuning import announce
 from pyreducer.tuning.autotune import AutoTuner
 from pyreducer.tuning.control import BucketTuning
-from pyreducer.watch import ParameterWatch
+from pyreducer.wrapper import (arguments, bucketing, failures, nested, precision, sync, teardown,
+                               torch_versions)
+from pyreducer.wrapper import timeline as timeline_module
+from pyreducer.wrapper.ddp_logging import DDPLogger
+from pyreducer.wrapper.delayed import DelayedAllReduce
+from pyreducer.wrapper.join import (ReducerJoinHook, find_common_rank, refuse_unjoinable,
+                                    vote_backward_sync)
+from pyreducer.wrapper.params import ReducedParams, reduced_parameters
+from pyreducer.wrapper.watch import ParameterWatch
 
 # The Reducer's defaults (csrc/reducer.h ReducerOptions), stated there once.
 _DEFAULTS = _C.ReducerOptions()
@@ -45,10 +45,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     Arguments are the installed torch DDP's, in its order, with its meaning and defaults (see
     torch.nn.parallel.DistributedDataParallel); torch 2.13's batched_grad_copy and
-    forward_sync_buffers also on older torch (pyreducer/torch_versions.py). pyreducer differences: errors name the
-    parameters and ranks involved, always; a backward that leaves a parameter without gradient
-    raises at its end instead of at the next forward; mixed_precision runs on any device
-    (pyreducer/precision.py).
+    forward_sync_buffers also on older torch (pyreducer/wrapper/torch_versions.py). pyreducer
+    differences: errors name the parameters and ranks involved, always; a backward that leaves a
+    parameter without gradient raises at its end instead of at the next forward; mixed_precision
+    runs on any device (pyreducer/wrapper/precision.py).
 
     pyreducer's own arguments (keyword-only):
         bucket_plan: replay a saved bucket plan exactly (a JSON path from save_bucket_plan(),
@@ -340,12 +340,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self._compiled.summary() if self._compiled is not None else {}
 
     def timeline(self, last: int = 1) -> list[dict]:
-        """The last `last` synced iterations' events on this rank (fields: pyreducer.timeline)."""
+        """The last `last` synced iterations' events on this rank (fields: wrapper/timeline.py)."""
         return timeline_module.records(self._params, self.reducer, last,
                                        overlap=self._overlap.events if self._overlap else None)
 
     def overlap_stats(self, last: int | None = None) -> dict:
-        """Overlap of communication with backward, per iteration and averaged (pyreducer.timeline)."""
+        """Overlap of communication with backward, per iteration and averaged (wrapper/timeline.py)."""
         return timeline_module.overlap_stats(
             self.timeline(last if last is not None else 1 << 30))
 
@@ -410,7 +410,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     # -- uneven inputs (torch.distributed.algorithms.join protocol) -------------------------------
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False):
-        """Context manager for uneven inputs, as torch DDP's join(); see pyreducer/join.py."""
+        """Context manager for uneven inputs, as torch DDP's join(); see wrapper/join.py."""
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
@@ -431,10 +431,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_process_group(self):
         return self.process_group
 
-    # -- the overlapped optimizer (pyreducer/overlap.py) ----------------------------------------
+    # -- the overlapped optimizer (pyreducer/overlap/) --------------------------------------------
     def overlap_optimizer(self, optimizer, shard: bool = False, **options):
         """An optimizer whose updates overlap the next forward (Note [Overlapped step],
-        overlap.py; options: OverlapOptimizer's); shard=True: its state and update sharded
+        overlap/optimizer.py; options: OverlapOptimizer's); shard=True: its state and update sharded
         (Note [Sharded step], pyreducer/sharded). Called again, it replaces the previous one."""
         arguments.refuse_overlap_with(join=self._join_config.enable,
                                       check_finite=self._reducer_settings["check_finite"])
@@ -479,7 +479,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _get_ddp_logging_data(self) -> dict:
         """torch DDP's logging data, with its keys, from pyreducer's measurements
-        (pyreducer/ddp_logging.py)."""
+        (pyreducer/wrapper/ddp_logging.py)."""
         return self._logger.data()
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:

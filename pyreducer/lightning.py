@@ -37,7 +37,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
 from pyreducer.distributed import DistributedDataParallel
-from pyreducer.overlap import OverlapOptimizer
+from pyreducer.overlap.optimizer import OverlapOptimizer
 
 STRATEGY_NAME = "pyreducer_ddp"
 

@@ -33,10 +33,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from pyreducer import timeline as timeline_module
 from pyreducer._ext import _C
 from pyreducer.observe.trace import clock_offsets_ns
 from pyreducer.tuning.stepmodel import Profile
+from pyreducer.wrapper import timeline as timeline_module
 
 FORMAT = "pyreducer.rank_trace"
 _attached: "weakref.WeakSet[Recorder]" = weakref.WeakSet()

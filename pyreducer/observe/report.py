@@ -11,9 +11,9 @@ import json
 import os
 import re
 
-from pyreducer import timeline as timeline_module
 from pyreducer.observe import InputError, output_dir
 from pyreducer.observe.trace import chrome_trace, shift_record
+from pyreducer.wrapper import timeline as timeline_module
 
 RANK_FILE = re.compile(r"rank(\d+)(?:\.model(\d+))?\.json$")
 
@@ -92,7 +92,7 @@ def summary_text(timelines: list[list[dict]], compiled: dict | None = None,
     lines += compiled_text(compiled)
     lines += tuning_text(tuning)
     lines += memory_text(timelines)
-    lines.append("definitions: pyreducer/timeline.py (and the README)")
+    lines.append("definitions: pyreducer/wrapper/timeline.py (and the README)")
     return "\n".join(lines)
 
 

@@ -2,10 +2,10 @@
 
     pyreducer.observe.trace.export_chrome_trace(model, "trace.json", last=5)   # call on every rank
 
-Every rank sends its timeline (pyreducer.timeline) to rank 0 through the model's process group;
-rank 0 writes the file. Layout: a process per rank; in it a "backward compute" track (one slice
-per iteration, an instant per gradient), a "final wait" track, and one track per bucket with its
-all-reduce from launch to completion; a flow arrow runs from the moment a bucket's last gradient
+Every rank sends its timeline (pyreducer.wrapper.timeline) to rank 0 through the model's process
+group; rank 0 writes the file. Layout: a process per rank; in it a "backward compute" track (one
+slice per iteration, an instant per gradient), a "final wait" track, and one track per bucket with
+its all-reduce from launch to completion; a flow arrow runs from the moment a bucket's last gradient
 arrived to its launch.
 
 Clock alignment: ranks have separate monotonic clocks. Before gathering, all ranks pass
@@ -22,7 +22,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from pyreducer.sync import all_gather_object, barrier
+from pyreducer.wrapper.sync import all_gather_object, barrier
 
 CLOCK_ROUNDS = 7
 COMPUTE_TID, WAIT_TID, BUCKET_TID0 = 0, 1, 10

@@ -1,8 +1,8 @@
 """Sharded reduction: `model.overlap_optimizer(optimizer, shard=True)`.
 
 Note [Sharded step]
-The overlapped optimizer (Note [Overlapped step] in pyreducer/overlap.py) with the state and the
-update of each element on one rank only (ZeRO-2's division of work, on pyreducer's buckets):
+The overlapped optimizer (Note [Overlapped step] in pyreducer/overlap/optimizer.py) with the state
+and the update of each element on one rank only (ZeRO-2's division of work, on pyreducer's buckets):
   - backward: each bucket, full, is reduce-scattered instead of all-reduced (Note [Sharded
     buckets] in csrc/reducer.h): rank r receives the sum of its 1/N of the bucket's buffer; each
     .grad is let go once copied into its bucket (Note [Sharded gradients]);

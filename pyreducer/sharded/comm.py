@@ -4,8 +4,8 @@ gathers of a checkpoint. On NCCL, on the group. On Gloo, the buckets' reduce-sca
 all-gathers travel in rings of sends and receives (Note [Ring collectives on Gloo] in
 csrc/ring.h: Gloo's own reduce-scatter costs an all-reduce, and may sum in another order than
 its all-reduce, torch DDP's; the rings sum in that order), on a Gloo backend of their own; the
-rest runs on a one-thread Gloo backend (pyreducer/gloo_race.py: torch's race on long op names),
-as do the reduce-scatters and all-gathers beyond the rings' world sizes (RingCollectives.
+rest runs on a one-thread Gloo backend (pyreducer/wrapper/gloo_race.py: torch's race on long op
+names), as do the reduce-scatters and all-gathers beyond the rings' world sizes (RingCollectives.
 max_world_size, 64 ranks).
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pyreducer import gloo_race, torch_versions
 from pyreducer._ext import _C
+from pyreducer.wrapper import gloo_race, torch_versions
 
 
 

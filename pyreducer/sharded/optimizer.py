@@ -7,9 +7,9 @@ import copy
 
 import torch
 
-from pyreducer import pending, subset_step
 from pyreducer._ext import _C
-from pyreducer.overlap import OverlapOptimizer
+from pyreducer.overlap import pending, subset_step
+from pyreducer.overlap.optimizer import OverlapOptimizer
 from pyreducer.sharded import checks, clip, pieces as pieces_module
 from pyreducer.sharded.comm import ShardComm
 from pyreducer.sharded.layout import Layout

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from pyreducer import sync
 from pyreducer.sharded.layout import Layout, flat_view
+from pyreducer.wrapper import sync
 
 
 def _kind(value, piece_numel: int):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from pyreducer import teardown
+from pyreducer.wrapper import teardown
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    # torch DDP's run too: torch's Gloo can abort at exit (see pyreducer/teardown.py)
+    # torch DDP's run too: torch's Gloo can abort at exit (see pyreducer/wrapper/teardown.py)
     teardown.settle_gloo_threads_at_exit(dist.group.WORLD)
     rank = dist.get_rank()
     path = os.path.join(args.out, CHECKPOINT)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyreducer import torch_versions
+from pyreducer.wrapper import torch_versions
 
 STEPS = 3
 BATCH = 8

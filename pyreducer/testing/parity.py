@@ -213,8 +213,8 @@ SCENARIOS = {
 
 def oracle_missing(name: str) -> str | None:
     """Why the installed torch's DDP cannot run scenario `name` (an argument of a newer torch,
-    pyreducer/torch_versions.py), or None."""
-    from pyreducer.torch_versions import DDP_ARGUMENTS
+    pyreducer/wrapper/torch_versions.py), or None."""
+    from pyreducer.wrapper.torch_versions import DDP_ARGUMENTS
 
     missing = sorted(set(SCENARIOS[name].get("ddp", {})) - DDP_ARGUMENTS)
     return f"torch {torch.__version__}'s DDP has no {', '.join(missing)}: no oracle to compare " \

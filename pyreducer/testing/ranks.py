@@ -44,7 +44,7 @@ def _child(rank, world_size, init_file, fn, args, results, pg_timeout_s, threads
     import torch
     import torch.distributed as dist
 
-    from pyreducer.nested import map_tensors
+    from pyreducer.wrapper.nested import map_tensors
 
     torch.set_num_threads(threads)
     status, payload = "ok", None

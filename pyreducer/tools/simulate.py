@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import os
 
-from pyreducer.bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 from pyreducer.observe import InputError
 from pyreducer.tuning import planner, stepmodel
 from pyreducer.tuning.linkmodel import LinkModel
+from pyreducer.wrapper.bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 
 DEFAULT_CAPS = [DEFAULT_FIRST_BUCKET_CAP_BYTES, DEFAULT_BUCKET_CAP_BYTES]  # torch DDP's
 

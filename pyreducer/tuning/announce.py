@@ -47,7 +47,7 @@ def recalled_plan(entry: dict, measured_ms: float, steps: int, path: str | None)
 
 def chosen_schedule(chosen: dict, candidates: list[dict], steps: int, recalled: bool = False,
                     path: str | None = None) -> str:
-    """The overlapped optimizer's schedule decision (overlap_control.py): `chosen` against the
+    """The overlapped optimizer's schedule decision (schedule_tuner.py): `chosen` against the
     step barrier, or, if the barrier was chosen, against the fastest overlap measured; each
     candidate with predicted_ms, and measured_ms where measured."""
     how = f"recalled from {path} and kept" if recalled else "chosen"

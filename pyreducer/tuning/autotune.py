@@ -34,8 +34,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from pyreducer import sync
 from pyreducer.tuning import announce, memory, planner, stepmodel
+from pyreducer.wrapper import sync
 
 logger = logging.getLogger("pyreducer.autotune")
 

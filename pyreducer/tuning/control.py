@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import warnings
 
-from pyreducer import bucketing, sync
-from pyreducer import timeline as timeline_module
 from pyreducer.tuning import planner, stepmodel
+from pyreducer.wrapper import bucketing, sync
+from pyreducer.wrapper import timeline as timeline_module
 from pyreducer.tuning.linkmodel import (LinkModel, probe_contention_steps, probe_link_steps,
                                         run_steps)
 
@@ -22,7 +22,7 @@ CONTENTION_REPS = 2
 
 
 class BucketTuning:
-    """Bucket tuning of one Reducer over its ReducedParams (pyreducer.params)."""
+    """Bucket tuning of one Reducer over its ReducedParams (pyreducer.wrapper.params)."""
 
     def __init__(self, params, reducer, compiled=lambda: False):
         """compiled: () -> whether the model runs under torch.compile, split at the buckets

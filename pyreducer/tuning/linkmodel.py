@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pyreducer.sync import barrier, slowest, wait_for_device
+from pyreducer.wrapper.sync import barrier, slowest, wait_for_device
 
 
 @dataclass(frozen=True)

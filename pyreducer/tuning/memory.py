@@ -54,8 +54,8 @@ def cache_path(setting) -> str | None:
 
 
 def model_key(params, backend: str, extra: str = "") -> str:
-    """The cache key of a wrapper's parameters (pyreducer.params.ReducedParams), world size and
-    backend; `extra` distinguishes set-ups whose decisions differ (e.g. a comm hook)."""
+    """The cache key of a wrapper's parameters (pyreducer.wrapper.params.ReducedParams), world size
+    and backend; `extra` distinguishes set-ups whose decisions differ (e.g. a comm hook)."""
     digest = hashlib.sha256()
     for name, tensor, key in zip(params.names, params.tensors, params.group_keys):
         digest.update(f"{name}:{tuple(tensor.shape)}:{key}\n".encode())

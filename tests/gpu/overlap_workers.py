@@ -1,6 +1,6 @@
 """Rank functions of the GPU kit for the overlapped optimizer (Note [Overlapped step] and Note
-[Streams] in pyreducer/overlap.py): ranks (NCCL, or Gloo sharing a GPU) against torch DDP + the
-same Adam, with CUDA streams that do not wait for each other unless the code under test makes
+[Streams] in pyreducer/overlap/optimizer.py): ranks (NCCL, or Gloo sharing a GPU) against torch DDP
++ the same Adam, with CUDA streams that do not wait for each other unless the code under test makes
 them."""
 import contextlib
 import copy
@@ -149,9 +149,9 @@ def _six_steps_against_torch(base, rank, after_backward=None):
 
 
 def two_stream_forward_worker(rank, world_size):
-    """Note [Streams] in pyreducer/overlap.py: the overlapped optimizer with _SideStreamRead (one
-    bucket: the update runs on the side stream at b's read; a's read on the main stream must
-    wait for it) against torch DDP + the same Adam, parameters after 6 steps."""
+    """Note [Streams] in pyreducer/overlap/optimizer.py: the overlapped optimizer with
+    _SideStreamRead (one bucket: the update runs on the side stream at b's read; a's read on the
+    main stream must wait for it) against torch DDP + the same Adam, parameters after 6 steps."""
     torch.cuda.set_device(rank_device(rank))
     torch.manual_seed(5)
     return _six_steps_against_torch(_SideStreamRead(_sleep_cycles(0.02)), rank)
@@ -178,8 +178,8 @@ def _side_stream(rank):
 
 
 def early_read_worker(rank, world_size):
-    """Note [Streams] in pyreducer/overlap.py: after each backward, a gradient is read on a side
-    stream (after side.wait_stream(current), then a ~20 ms sleep there) before step(): the
+    """Note [Streams] in pyreducer/overlap/optimizer.py: after each backward, a gradient is read on
+    a side stream (after side.wait_stream(current), then a ~20 ms sleep there) before step(): the
     read completes the bucket there, so its averages are written into .grad on the side
     stream; step() then runs on the main stream, which never waits for the side unless the
     optimizer fences the bucket. The plain tensor taken from .grad there is also read on the
@@ -203,10 +203,10 @@ def early_read_worker(rank, world_size):
 
 
 def unread_completion_worker(rank, world_size):
-    """Note [Streams] in pyreducer/overlap.py (Fences.settle): after each backward, the module's
-    state_dict() is taken on a side stream (after side.wait_stream(current), then a ~20 ms sleep
-    there): ours completes every bucket there, with no read asking for it. The gradient is then
-    read on the main stream, and step() runs there, which never waits for the side unless the
+    """Note [Streams] in pyreducer/overlap/optimizer.py (Fences.settle): after each backward, the
+    module's state_dict() is taken on a side stream (after side.wait_stream(current), then a ~20 ms
+    sleep there): ours completes every bucket there, with no read asking for it. The gradient is
+    then read on the main stream, and step() runs there, which never waits for the side unless the
     optimizer makes it. Against torch DDP + the same Adam: the parameters after 6 steps and the
     gradient norms read on the main stream."""
     _, _, late = _side_stream(rank)

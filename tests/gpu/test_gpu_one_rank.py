@@ -74,11 +74,11 @@ def test_autotune_decides(run):
 
 
 def test_the_tuners_step_clock_times_the_device_not_the_host():
-    """pyreducer/tuning/stepclock.py: between two marks the host only queues a ~100 ms kernel;
+    """pyreducer/overlap/stepclock.py: between two marks the host only queues a ~100 ms kernel;
     the CUDA clock reads the device's time (the host's would read well under it)."""
     import time
 
-    from pyreducer.tuning import stepclock
+    from pyreducer.overlap import stepclock
 
     clock = stepclock.for_device(torch.device("cuda", 0))
     assert isinstance(clock, stepclock.CudaClock)

@@ -160,7 +160,7 @@ def _side_streams(setting, case):
 
 @pytest.mark.parametrize("setting", TWO_RANKS)
 def test_a_bucket_updated_on_a_side_stream_is_waited_for_on_the_main_one(setting):
-    """Note [Streams] in pyreducer/overlap.py."""
+    """Note [Streams] in pyreducer/overlap/optimizer.py."""
     for rank, result in enumerate(_side_streams(setting, "two_stream_forward")):
         assert result["buckets"] == 1, result["buckets"]
         _equal_lists(result["ours"], result["torch"], f"rank {rank}")
@@ -168,8 +168,8 @@ def test_a_bucket_updated_on_a_side_stream_is_waited_for_on_the_main_one(setting
 
 @pytest.mark.parametrize("setting", TWO_RANKS)
 def test_a_bucket_completed_by_a_read_before_step_is_waited_for_by_step(setting):
-    """Note [Streams] in pyreducer/overlap.py: a gradient read on a side stream before step()
-    (the bucket's averages written there), the tensor read then on the main stream too;
+    """Note [Streams] in pyreducer/overlap/optimizer.py: a gradient read on a side stream before
+    step() (the bucket's averages written there), the tensor read then on the main stream too;
     step() on the main stream."""
     for rank, result in enumerate(_side_streams(setting, "early_read")):
         assert result["buckets"] == 1, result["buckets"]
@@ -180,8 +180,8 @@ def test_a_bucket_completed_by_a_read_before_step_is_waited_for_by_step(setting)
 
 @pytest.mark.parametrize("setting", TWO_RANKS)
 def test_a_completion_no_read_asked_for_on_a_side_stream_is_waited_for_by_step(setting):
-    """Note [Streams] in pyreducer/overlap.py (Fences.settle): the module's state_dict() on a
-    side stream before step() completes every bucket there; the gradient is read and step()
+    """Note [Streams] in pyreducer/overlap/optimizer.py (Fences.settle): the module's state_dict()
+    on a side stream before step() completes every bucket there; the gradient is read and step()
     runs on the main stream."""
     for rank, result in enumerate(_side_streams(setting, "unread_completion")):
         _equal_lists(result["ours_reads"], result["torch_reads"],

@@ -132,8 +132,8 @@ class _FailingProbe:
 
 
 def test_autotune_keeps_the_plan_when_the_link_probe_is_unusable(monkeypatch):
-    from pyreducer import sync
     from pyreducer.tuning.autotune import AutotuneConfig, AutoTuner, Phase
+    from pyreducer.wrapper import sync
 
     monkeypatch.setattr(sync, "slowest", lambda seconds, group, device: seconds)
     tuner = AutoTuner(AutotuneConfig(warmup_iterations=1), _FailingProbe())

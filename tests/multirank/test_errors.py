@@ -102,7 +102,7 @@ def peer_dies_worker(rank, world_size):
 
 
 def test_a_model_mismatch_is_a_runtime_error_and_a_value_error():
-    from pyreducer.sync import ModelMismatchError
+    from pyreducer.wrapper.sync import ModelMismatchError
 
     assert issubclass(ModelMismatchError, RuntimeError)  # torch DDP's type
     assert issubclass(ModelMismatchError, ValueError)  # pyreducer's until now

@@ -1,7 +1,7 @@
 """Faults (issue 15): a peer killed during construction, forward, backward (mid all-reduce) or
 finalize (waiting for the reductions), or frozen (SIGSTOP) mid-backward. The surviving rank raises within the process group's timeout
-(plus pyreducer.failures.REPORT_WINDOW_S to name the lost ranks), naming the phase and the rank
-it lost; after destroy_process_group no pyreducer thread or child process is left, and a script
+(plus pyreducer.wrapper.failures.REPORT_WINDOW_S to name the lost ranks), naming the phase and the
+rank it lost; after destroy_process_group no pyreducer thread or child process is left, and a script
 that does not catch the error exits with its traceback (exit code 1), not an abort."""
 import gc
 import os
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pyreducer.failures import REPORT_WINDOW_S
 from pyreducer.testing import run_ranks, subprocess_env, wait_for_exit
+from pyreducer.wrapper.failures import REPORT_WINDOW_S
 
 PG_TIMEOUT_S = 8
 
@@ -133,7 +133,7 @@ print("not reached", flush=True)
 
 def test_an_uncaught_failure_exits_with_its_traceback(tmp_path):
     """A plain script (no os._exit, no try): the survivor ends with exit code 1 and the error on
-    stderr, within the timeout; no abort at interpreter exit (pyreducer/teardown.py)."""
+    stderr, within the timeout; no abort at interpreter exit (pyreducer/wrapper/teardown.py)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     env = subprocess_env(OMP_NUM_THREADS="1")

@@ -1,9 +1,9 @@
-"""torch's Gloo race (pyreducer/gloo_race.py): sparse buckets run on a one-thread Gloo backend of
-the same ranks, and give torch DDP's results; the CI's short version of
+"""torch's Gloo race (pyreducer/wrapper/gloo_race.py): sparse buckets run on a one-thread Gloo
+backend of the same ranks, and give torch DDP's results; the CI's short version of
 benchmarks/sparse_race_soak.py (whose 300-run record is in benchmarks/results/)."""
 import sys
 
-from pyreducer import torch_versions
+from pyreducer.wrapper import torch_versions
 
 sys.path.insert(0, "benchmarks")
 import sparse_race_soak as soak  # noqa: E402
@@ -14,8 +14,9 @@ RUNS = 5
 def guard_worker(rank, world_size):
     from torch import nn
 
-    from pyreducer import DistributedDataParallel, gloo_race
+    from pyreducer import DistributedDataParallel
     from pyreducer.testing.parity import SparseEmbeddings
+    from pyreducer.wrapper import gloo_race
 
     def gloo_threads():  # Gloo's threads are not Python threads: the OS's, by name
         import os

@@ -97,7 +97,7 @@ def test_one_ranks_bad_plan_is_an_error_on_every_rank(hostile, case):
 
 
 def changed_worker(rank, world_size):
-    """Parameters changed after wrapping (pyreducer/watch.py), on every rank alike."""
+    """Parameters changed after wrapping (pyreducer/wrapper/watch.py), on every rank alike."""
     from pyreducer import DistributedDataParallel
 
     out = {}

@@ -1,6 +1,6 @@
-"""The overlapped optimizer (pyreducer/overlap.py) against torch DDP + the same optimizer: same
-seed, same data, the same loop (backward, step, zero_grad); parameters and optimizer state after
-the steps bit for bit (foreach=False implementations, the defaults, foreach=True, torch's
+"""The overlapped optimizer (pyreducer/overlap/optimizer.py) against torch DDP + the same optimizer:
+same seed, same data, the same loop (backward, step, zero_grad); parameters and optimizer state
+after the steps bit for bit (foreach=False implementations, the defaults, foreach=True, torch's
 default on CUDA, fused kernels, AMSGrad, RMSprop and Adagrad), with LR schedulers, gradient clipping, no_sync accumulation, unused parameters,
 tied weights, a parameter read outside its module, parameters stepped outside every bucket
 (ignored, delayed all-reduce, not in the model), bucket views, static graph, a communication
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyreducer.testing.parity import _delay_last_layer, gradient_penalty_loss
-from pyreducer.torch_versions import DDP_DELAY_TAKES_FRACTIONAL_CAP
+from pyreducer.wrapper.torch_versions import DDP_DELAY_TAKES_FRACTIONAL_CAP
 
 STEPS = 6
 

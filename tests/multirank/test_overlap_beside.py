@@ -1,6 +1,6 @@
 """Collectives beside the reductions an overlapped optimizer leaves in flight into the next
 forward (Note [Deferred completion] in csrc/reducer.h): the buffers' broadcast goes to a second
-process group (Note [Buffers beside deferred reductions] in pyreducer/sync.py), and a bucket
+process group (Note [Buffers beside deferred reductions] in pyreducer/wrapper/sync.py), and a bucket
 whose parameters were all used on this rank is completed without waiting for the used-parameter
 map (Note [Unused parameters]); the results stay torch DDP's bit for bit."""
 import copy
@@ -42,7 +42,7 @@ def buffers_worker(rank, world_size):
 
 
 def test_buffers_are_broadcast_beside_the_reductions_in_flight(ranks_once):
-    """Note [Buffers beside deferred reductions] (pyreducer/sync.py): on the wrapper's group
+    """Note [Buffers beside deferred reductions] (pyreducer/wrapper/sync.py): on the wrapper's group
     the broadcast would wait behind the previous backward's reductions; it goes to a second
     group instead (the values are torch DDP's: test_matches_torch_ddp_bit_for_bit, cnn)."""
     for r in ranks_once(buffers_worker, 2, ()):

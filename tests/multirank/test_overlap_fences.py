@@ -1,5 +1,5 @@
-"""The overlapped optimizer's fences (Note [Streams] in pyreducer/overlap.py,
-pyreducer/fences.py) run on CPU with their CUDA calls recorded: a recorder stands for the
+"""The overlapped optimizer's fences (Note [Streams] in pyreducer/overlap/optimizer.py,
+pyreducer/overlap/fences.py) run on CPU with their CUDA calls recorded: a recorder stands for the
 streams, and the test says which stream is current. On CUDA they decide which stream waits for
 which write-back; here, that each wait happens where the Note says, that reading a fenced
 parameter does not come back into the fence (it recursed once, unseen: that path had never run),
@@ -11,7 +11,7 @@ from torch import nn
 
 
 class Recorder:
-    """pyreducer.fences.CudaStreams' calls, recorded; `now` is the current stream."""
+    """pyreducer.overlap.fences.CudaStreams' calls, recorded; `now` is the current stream."""
 
     def __init__(self):
         self.now, self.log, self.count = "main", [], 0

@@ -1,9 +1,9 @@
-"""Reads outside the forward with an overlapped optimizer (pyreducer/overlap.py): after step() the
-updates are pending, and each way of reading parameters, gradients or optimizer state must see
-them done. Each read is checked on its own, right after step(), against the same loop and read
-with torch DDP's step (pyreducer without the overlapped optimizer: every update done at step()),
-bit for bit, at 2 and 3 ranks (schedule="fifo": torch DDP's sums); then one more step must end
-equal too. Also that the read itself completed what it should (no pending class left); a
+"""Reads outside the forward with an overlapped optimizer (pyreducer/overlap/optimizer.py): after
+step() the updates are pending, and each way of reading parameters, gradients or optimizer state
+must see them done. Each read is checked on its own, right after step(), against the same loop and
+read with torch DDP's step (pyreducer without the overlapped optimizer: every update done at
+step()), bit for bit, at 2 and 3 ranks (schedule="fifo": torch DDP's sums); then one more step must
+end equal too. Also that the read itself completed what it should (no pending class left); a
 GradScaler, which reads every gradient between backward and step(); a forward compiled by
 torch.compile; the optimizer's step hooks and an LR scheduler on the wrapped optimizer; and the
 refusals (pickling the wrapper, a TorchScript module). The reads that apply, and the compiled

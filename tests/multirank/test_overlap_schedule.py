@@ -1,5 +1,5 @@
 """Chunked all-reduces in a planned launch order (Note [Launch order] in csrc/reducer.h) and the
-overlapped optimizer's planned schedule (pyreducer/tuning/overlap_control.py), on spawned Gloo
+overlapped optimizer's planned schedule (pyreducer/overlap/schedule_tuner.py), on spawned Gloo
 ranks: the same sums as torch DDP (bit for bit at 2 ranks), the same order on every rank
 whatever the timing, and clear errors for what cannot be chunked."""
 import copy
@@ -200,14 +200,14 @@ def trials_worker(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
-    from pyreducer.tuning import contention, overlap_control
+    from pyreducer.overlap import contention, schedule_tuner
 
     # on loopback this model's all-reduces overlap its compute for about a millisecond, near
     # the threshold under which the tuner keeps the probe's contention: measure it in place
     contention.MIN_BUSY_MS = 1e-3
     # the rounds pick the first overlapped candidate, whatever loopback's timing, so that the
     # run-off (and its gather) always runs; the run-off decides with the real choose()
-    real_choose, calls = overlap_control.choose, []
+    real_choose, calls = schedule_tuner.choose, []
 
     def rounds_pick_an_overlap(candidates):
         calls.append(len(candidates))
@@ -215,7 +215,7 @@ def trials_worker(rank, world_size):
             return next(k for k, c in enumerate(candidates) if not c.get("barrier"))
         return real_choose(candidates)
 
-    overlap_control.choose = rounds_pick_an_overlap
+    schedule_tuner.choose = rounds_pick_an_overlap
     torch.manual_seed(0)
     base = _model()
     out = {}
@@ -227,9 +227,9 @@ def trials_worker(rank, world_size):
             opt = model.overlap_optimizer(opt)
         # rebuild, warm-up, the held iterations, then each trial (the barrier's too) takes
         # 1 + TRIAL_ITERATIONS steps per round, and the run-off's windows if an overlap won
-        steps = 8 + overlap_control.HELD_ITERATIONS + 1 + (overlap_control.ROUNDS * (
-            overlap_control.TRIALS + 1) + 2 * overlap_control.RUNOFF_WINDOWS) * (
-            overlap_control.TRIAL_ITERATIONS + 1) + 3
+        steps = 8 + schedule_tuner.HELD_ITERATIONS + 1 + (schedule_tuner.ROUNDS * (
+            schedule_tuner.TRIALS + 1) + 2 * schedule_tuner.RUNOFF_WINDOWS) * (
+            schedule_tuner.TRIAL_ITERATIONS + 1) + 3
         gen = torch.Generator().manual_seed(rank)
         decided = []
         for step in range(steps):
@@ -264,13 +264,13 @@ def test_auto_schedule_measures_the_best_candidates_and_keeps_the_fastest(ranks_
         trials = len(r["log"][0]["trials"])
         assert events == ["planned"] + ["measured"] * trials + ["runoff", "chosen"], events
         # whole buckets in two orders at least, chunks of 256 KB; and torch DDP's barrier
-        assert 3 <= trials <= overlap_control_trials() + 1
+        assert 3 <= trials <= schedule_tuner_trials() + 1
         assert r["log"][0]["trials"][-1]["barrier"]
         # the contention was measured in place (held iterations, the compute alone, against
         # the profiled ones) and logged; the model planned on the held compute and the probe's
         measured, planned = r["log"][0]["contention_in_place"], r["log"][0]
         # (one forward in three has no backward here: it counts, but records nothing)
-        assert 2 <= measured["held_records"] <= overlap_control_held()
+        assert 2 <= measured["held_records"] <= schedule_tuner_held()
         assert measured["loaded_records"] >= 2
         # kept for offline checks: every held record, the last one's forward not yet run
         assert len(measured["records"]["held"]) == measured["held_records"] + 1
@@ -295,7 +295,7 @@ def _check_the_choice(logs):
     """Every rank decided on the same gathered windows and installed the same choice: the rounds
     picked the first overlapped candidate (trials_worker makes them), which ran off against the
     barrier; the fresh windows alone decided (choose, tested by hand in test_schedule.py)."""
-    from pyreducer.tuning.overlap_control import choose
+    from pyreducer.overlap.schedule_tuner import choose
 
     assert all(log[-1]["order"] == logs[0][-1]["order"] for log in logs)
     assert all(log[-2] == logs[0][-2] for log in logs)  # the run-off, the same everywhere
@@ -304,13 +304,13 @@ def _check_the_choice(logs):
     for k, m in enumerate(log[1:1 + len(trials)]):
         assert all(other[1 + k]["windows_ms"] == m["windows_ms"] for other in logs)
         # a window is its slowest rank's mean step; a candidate is the median window
-        assert len(m["windows_ms"]) == overlap_control_rounds()
+        assert len(m["windows_ms"]) == schedule_tuner_rounds()
         assert m["measured_ms"] == pytest.approx(statistics.median(m["windows_ms"]))
         assert all(w >= w0 for w, w0 in zip(m["windows_ms"], m["rank0_windows_ms"]))
     runoff, best = log[-2], trials[0]
     assert runoff["event"] == "runoff" and runoff["describe"] == best["describe"]
     assert len(runoff["windows_ms"]) == len(runoff["barrier_windows_ms"]) == \
-        overlap_control_runoff()
+        schedule_tuner_runoff()
     assert runoff["measured_ms"] == pytest.approx(statistics.median(runoff["windows_ms"]))
     assert runoff["barrier_ms"] == pytest.approx(
         statistics.median(runoff["barrier_windows_ms"]))
@@ -324,26 +324,26 @@ def failed_plan_worker(rank, world_size):
     """Rank 0's planning fails after the held iterations: every rank goes back to the order
     the profile was recorded under (torch DDP's), not the held one, and keeps training."""
     from pyreducer import DistributedDataParallel
-    from pyreducer.tuning import overlap_control
+    from pyreducer.overlap import schedule_tuner
 
     def broken(*args, **kwargs):
         raise RuntimeError("planning failed on purpose")
 
-    overlap_control.schedule_model.best_schedule = broken  # only rank 0 plans
+    schedule_tuner.schedule_model.best_schedule = broken  # only rank 0 plans
     held_records = []  # and, on rank 0, the complete held records the profile was given
-    measure = overlap_control.contention.measure_in_place
+    measure = schedule_tuner.contention.measure_in_place
 
     def measuring(loaded, held):
-        held_records.append(sum(overlap_control.contention.has_forward(r) for r in held))
+        held_records.append(sum(schedule_tuner.contention.has_forward(r) for r in held))
         return measure(loaded, held)
 
-    overlap_control.contention.measure_in_place = measuring
+    schedule_tuner.contention.measure_in_place = measuring
     torch.manual_seed(0)
     model = DistributedDataParallel(_model(), bucket_cap_mb=CAP_MB)
     opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
     gen = torch.Generator().manual_seed(rank)
     count, held = None, None
-    for _ in range(2 + opt.tuner.warmup + overlap_control.HELD_ITERATIONS + 4):
+    for _ in range(2 + opt.tuner.warmup + schedule_tuner.HELD_ITERATIONS + 4):
         _train(model, opt, gen, steps=1)
         count = len(model.bucket_plan())
         if opt.tuner.held_left and held is None:
@@ -363,19 +363,19 @@ def test_a_failed_plan_after_the_held_iterations_restores_the_profiled_order(ran
         assert r["decided"]  # torch DDP's order stays: nothing more to wait for
         assert r["order"] == list(range(r["count"]))
     # rank 0 profiled every held iteration whose next forward ran (all of them but the last)
-    assert results[0]["held_records"] == [overlap_control_held()]
+    assert results[0]["held_records"] == [schedule_tuner_held()]
 
 
-def overlap_control_held():
-    from pyreducer.tuning import overlap_control
+def schedule_tuner_held():
+    from pyreducer.overlap import schedule_tuner
 
-    return overlap_control.HELD_ITERATIONS
+    return schedule_tuner.HELD_ITERATIONS
 
 
-def overlap_control_trials():
-    from pyreducer.tuning import overlap_control
+def schedule_tuner_trials():
+    from pyreducer.overlap import schedule_tuner
 
-    return overlap_control.TRIALS
+    return schedule_tuner.TRIALS
 
 
 def errors_worker(rank, world_size):
@@ -430,13 +430,13 @@ def test_launch_sequences_that_cannot_run_are_refused_by_name(ranks_once):
         assert "schedule must be 'auto', 'fifo' or a chunk size in MB > 0" in message
 
 
-def overlap_control_rounds():
-    from pyreducer.tuning import overlap_control
+def schedule_tuner_rounds():
+    from pyreducer.overlap import schedule_tuner
 
-    return overlap_control.ROUNDS
+    return schedule_tuner.ROUNDS
 
 
-def overlap_control_runoff():
-    from pyreducer.tuning import overlap_control
+def schedule_tuner_runoff():
+    from pyreducer.overlap import schedule_tuner
 
-    return overlap_control.RUNOFF_WINDOWS
+    return schedule_tuner.RUNOFF_WINDOWS

@@ -289,8 +289,8 @@ def ring_worker(rank, world_size):
     once."""
     import torch.distributed as dist
 
-    from pyreducer import gloo_race
     from pyreducer._ext import _C
+    from pyreducer.wrapper import gloo_race
 
     ring = _C.RingCollectives(gloo_race.one_thread_backend(None, "ring-test"), 30000)
     gen = torch.Generator().manual_seed(rank)

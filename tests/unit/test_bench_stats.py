@@ -128,8 +128,8 @@ def test_overlap_model_validation_recomputes_predictions_from_the_logged_profile
     import dataclasses
 
     from benchmarks import validate_overlap_model
+    from pyreducer.overlap.schedule import OverlapProfile, Schedule
     from pyreducer.tuning.linkmodel import LinkModel
-    from pyreducer.tuning.schedule import OverlapProfile, Schedule
 
     profile = OverlapProfile(ready_ms=[1.0, 3.0], size_bytes=[4 << 20, 4 << 20], backward_ms=3.0,
                              read_order=[1, 0], segment_ms=[1.0, 1.0], tail_ms=0.0,

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pyreducer import bucketing
 from pyreducer._ext import _C
+from pyreducer.wrapper import bucketing
 
 MIB = 1024 * 1024
 
@@ -95,6 +95,6 @@ def test_group_key_is_one_definition():
 
 
 def pyreducer_params_keys(tensors):
-    from pyreducer.params import ReducedParams
+    from pyreducer.wrapper.params import ReducedParams
 
     return list(ReducedParams.of([(f"p{i}", t) for i, t in enumerate(tensors)]).group_keys)

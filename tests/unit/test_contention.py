@@ -1,10 +1,10 @@
-"""Contention measured in place (pyreducer/tuning/contention.py): the compute model beside
+"""Contention measured in place (pyreducer/overlap/contention.py): the compute model beside
 running reductions, and c from held and loaded timeline records, on hand-computed cases."""
 import pytest
 
-from pyreducer.tuning.contention import (advance, compute_windows, measure_in_place, merge,
+from pyreducer.overlap.contention import (advance, compute_windows, measure_in_place, merge,
                                          overlap_length)
-from pyreducer.tuning.schedule import OverlapProfile
+from pyreducer.overlap.schedule import OverlapProfile
 
 MS = 1_000_000
 

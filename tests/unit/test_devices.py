@@ -28,7 +28,7 @@ def test_no_collective_picks_the_current_cuda_device():
 def test_every_sync_collective_takes_a_device():
     import inspect
 
-    from pyreducer import sync
+    from pyreducer.wrapper import sync
 
     for name in ("all_gather_object", "broadcast_object", "from_rank0", "slowest", "barrier",
                  "verify_same_model", "verify_same_plan"):

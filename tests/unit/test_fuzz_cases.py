@@ -3,9 +3,9 @@ pyreducer/tools/fuzz.py): cases are pure functions of their seed and valid DDP c
 and the comparison names what differs."""
 import torch
 
-from pyreducer import torch_versions
 from pyreducer.testing import fuzz
 from pyreducer.tools import fuzz as runner
+from pyreducer.wrapper import torch_versions
 
 
 def test_a_case_is_a_function_of_its_seed():

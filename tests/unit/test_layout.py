@@ -46,7 +46,7 @@ def test_import_loads_the_library_only(tmp_path):
     assert not [m for m in loaded if m.startswith("matplotlib")], loaded
     assert not [m for m in loaded if m.startswith(TOOLING)], loaded
     # torch.compile's machinery costs ~2 s of CPU per process: loaded when an overlapped
-    # optimizer is made (pyreducer/overlap.py, _keep_eager), not by the import
+    # optimizer is made (pyreducer/overlap/optimizer.py, _keep_eager), not by the import
     assert not [m for m in loaded if m.startswith("torch._dynamo")], loaded
     # the framework adapters (pyreducer.lightning, .accelerate, .transformers) load their
     # framework when imported themselves, never with pyreducer

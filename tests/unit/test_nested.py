@@ -1,5 +1,5 @@
-"""pyreducer.nested, the one walker of forward inputs and outputs: every container type keeps
-its type and structure, tensors come out depth first, and replacing them round-trips."""
+"""pyreducer.wrapper.nested, the one walker of forward inputs and outputs: every container type
+keeps its type and structure, tensors come out depth first, and replacing them round-trips."""
 import collections
 import dataclasses
 from typing import NamedTuple
@@ -7,7 +7,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from pyreducer import nested
+from pyreducer.wrapper import nested
 
 
 class Pair(NamedTuple):

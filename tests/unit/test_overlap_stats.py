@@ -4,7 +4,7 @@ exposed; overlapping all-reduces counted once; waits charged per module; the mea
 iterations whose next forward ran; a barrier record without overlap events."""
 import pytest
 
-from pyreducer.timeline import OUTSIDE, overlap_stats
+from pyreducer.wrapper.timeline import OUTSIDE, overlap_stats
 
 T0 = 1_000_000_000  # the monotonic clock's reading at "0 ms"
 

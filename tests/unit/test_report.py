@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from pyreducer import timeline
 from pyreducer.observe import InputError, plot, report
+from pyreducer.wrapper import timeline
 
 
 def _record(rank, offset_ns=0):
@@ -114,7 +114,7 @@ def test_overlap_stats_skip_a_bucket_whose_completion_was_not_recorded():
     such a bucket (done 0) is left out, not counted as a huge negative span."""
     import math
 
-    from pyreducer.timeline import iteration_stats
+    from pyreducer.wrapper.timeline import iteration_stats
 
     record = _record(0)
     complete = iteration_stats(record)

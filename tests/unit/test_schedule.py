@@ -1,11 +1,11 @@
-"""The overlap schedule model (pyreducer/tuning/schedule.py): chunk counts, the priority launch
+"""The overlap schedule model (pyreducer/overlap/schedule.py): chunk counts, the priority launch
 order, and the overlapped step's predicted period on hand-computable profiles."""
 import math
 
 import pytest
 
 from pyreducer.tuning.linkmodel import LinkModel
-from pyreducer.tuning.schedule import (OverlapProfile, barrier_schedule, best_schedule,
+from pyreducer.overlap.schedule import (OverlapProfile, barrier_schedule, best_schedule,
                                        channel_done_ms, chunk_counts, fifo_schedule, predict_ms,
                                        loaded_link, priority_order)
 
@@ -220,7 +220,7 @@ def test_loaded_link_without_times_keeps_the_probe():
 
 
 def test_the_tuner_keeps_the_barrier_unless_an_overlap_beat_it_by_the_margin():
-    from pyreducer.tuning.overlap_control import MARGIN, choose
+    from pyreducer.overlap.schedule_tuner import MARGIN, choose
 
     def candidates(*overlap_ms, barrier_ms=100.0):
         return [dict(measured_ms=m) for m in overlap_ms] + [dict(measured_ms=barrier_ms,
@@ -234,7 +234,7 @@ def test_the_tuner_keeps_the_barrier_unless_an_overlap_beat_it_by_the_margin():
 
 
 def test_a_trial_window_counts_as_its_slowest_rank():
-    from pyreducer.tuning.overlap_control import slowest_windows
+    from pyreducer.overlap.schedule_tuner import slowest_windows
 
     # rank 0 ahead in window 0, behind in window 1 (the phase swings of a crossed step)
     assert slowest_windows([[0.30, 0.36, 0.31], [0.34, 0.32, 0.31]]) == [0.34, 0.36, 0.31]
@@ -259,15 +259,15 @@ def _run_trials(monkeypatch, step_ms, until=None):
     end of the trials or as soon as `until(tuner)` holds."""
     from types import SimpleNamespace
 
-    from pyreducer.tuning import overlap_control, stepclock
+    from pyreducer.overlap import schedule_tuner, stepclock
 
     clock = [0.0]
     monkeypatch.setattr(stepclock.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(overlap_control.sync, "all_gather_object",
+    monkeypatch.setattr(schedule_tuner.sync, "all_gather_object",
                         lambda obj, group, device: [obj, [[w * 1.01 for w in c] for c in obj]])
     params = SimpleNamespace(rank=0, world_size=2, process_group=None, device="cpu")
     tuning = SimpleNamespace(reducer=_FakeReducer(), params=params)
-    tuner = overlap_control.ScheduleTuner(tuning, events=None, set_barrier=lambda b: None)
+    tuner = schedule_tuner.ScheduleTuner(tuning, events=None, set_barrier=lambda b: None)
     tuner.candidates = [dict(order=[k], chunks=[1], describe=name, predicted_ms=1.0,
                              barrier=False) for k, name in enumerate("ab")]
     tuner.candidates.append(dict(order=[2], chunks=[1], describe="barrier", predicted_ms=1.0,
@@ -284,7 +284,7 @@ def _run_trials(monkeypatch, step_ms, until=None):
 
 
 def test_an_overlap_that_won_the_rounds_runs_off_against_the_barrier(monkeypatch):
-    from pyreducer.tuning.overlap_control import RUNOFF_WINDOWS
+    from pyreducer.overlap.schedule_tuner import RUNOFF_WINDOWS
 
     # "a" won the rounds by 10% (its luck), but on fresh windows it is 1% behind the barrier
     tuner = _run_trials(monkeypatch, lambda k, runoff: (
@@ -335,7 +335,7 @@ def test_a_new_bucket_plan_during_the_run_off_ends_it(monkeypatch):
 
 
 def test_the_step_clock_on_cpu_is_the_host_clock(monkeypatch):
-    from pyreducer.tuning import stepclock
+    from pyreducer.overlap import stepclock
 
     clock = stepclock.for_device("cpu")
     assert isinstance(clock, stepclock.HostClock)

@@ -24,7 +24,7 @@ def _params(fn):
 
 
 # Arguments of torch 2.12-2.13 that older torch lacks: pyreducer serves them on every torch,
-# after the installed DDP's own (pyreducer/torch_versions.py).
+# after the installed DDP's own (pyreducer/wrapper/torch_versions.py).
 NEWER_TORCH = ["batched_grad_copy", "forward_sync_buffers"]
 # pyreducer's own arguments: keyword-only, after all of DDP's.
 EXTRAS = ["bucket_plan", "timeline_iterations", "gradient_predivide_factor", "reduce_dtype",
@@ -55,7 +55,7 @@ def test_broadcast_buffers_warns_as_the_installed_torch_does():
     is silent. The derived settings are the same on both."""
     import warnings
 
-    from pyreducer.arguments import resolve_buffer_sync
+    from pyreducer.wrapper.arguments import resolve_buffer_sync
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -84,7 +84,7 @@ def test_an_unreadable_cache_warns_and_is_ignored(tmp_path, content):
 def test_a_remembered_schedule_must_fit_the_plan():
     """A chunked schedule's order holds bucket b chunks[b] times (the warm benchmark's first
     run refused every chunked schedule for checking a permutation instead)."""
-    from pyreducer.tuning.overlap_recall import _fits
+    from pyreducer.overlap.schedule_recall import _fits
 
     assert _fits(dict(order=[1, 0], chunks=[1, 1]), 2)
     assert _fits(dict(order=[1, 1, 0, 1], chunks=[1, 3]), 2)

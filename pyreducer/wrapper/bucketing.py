@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 
-from pyreducer import gloo_race
 from pyreducer._ext import _C
+from pyreducer.wrapper import gloo_race
 
 MIB = 1024 * 1024
 DEFAULT_FIRST_BUCKET_CAP_BYTES = _C.DEFAULT_FIRST_BUCKET_CAP_BYTES  # 1 MiB

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pyreducer import nested
+from pyreducer.wrapper import nested
 
 
 def check_config(config) -> None:

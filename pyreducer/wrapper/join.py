@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from pyreducer import sync
+from pyreducer.wrapper import sync
 
 
 class ReducerJoinHook(JoinHook):

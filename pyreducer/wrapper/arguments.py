@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # torch's, even if patched later
 
-from pyreducer import torch_versions
+from pyreducer.wrapper import torch_versions
 
 
 def default_group():

@@ -1,13 +1,13 @@
-"""The overlapped optimizer's fences on CUDA (Note [Streams] in pyreducer/overlap.py): events
-recorded after a bucket's write-back or update, or after a clip, and which streams have waited
-for each. The bookkeeping is the same on every device; the CUDA calls are in CudaStreams alone,
-which a CPU test replaces with a recorder (tests/multirank/test_overlap_fences.py). On CPU
+"""The overlapped optimizer's fences on CUDA (Note [Streams] in pyreducer/overlap/optimizer.py):
+events recorded after a bucket's write-back or update, or after a clip, and which streams have
+waited for each. The bookkeeping is the same on every device; the CUDA calls are in CudaStreams
+alone, which a CPU test replaces with a recorder (tests/multirank/test_overlap_fences.py). On CPU
 nothing is fenced."""
 from __future__ import annotations
 
 import torch
 
-from pyreducer import pending
+from pyreducer.overlap import pending
 
 
 class CudaStreams:

@@ -1,5 +1,5 @@
 """Stepping some of an optimizer's parameters with its own math: the overlapped optimizer's
-per-bucket updates (Note [Overlapped step] in pyreducer/overlap.py).
+per-bucket updates (Note [Overlapped step] in pyreducer/overlap/optimizer.py).
 
 Note [One step, in buckets]
 torch steps every parameter in one call of the optimizer's step(), with the settings in force

@@ -68,7 +68,7 @@ class DelayedAllReduce:
 
     def broadcast_from_rank0(self) -> None:
         """Rank 0's values of the delayed parameters on every rank (collective; construction)."""
-        from pyreducer import sync
+        from pyreducer.wrapper import sync
 
         sync.broadcast_coalesced([p.detach() for p in self.params], self.process_group)
 

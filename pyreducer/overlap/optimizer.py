@@ -10,7 +10,7 @@ next forward starts after it. With an overlapped optimizer the loop stays
   - the next forward updates each parameter just before it is read: the first read of a
     parameter waits for its bucket's reduction, writes the averages into .grad, steps the
     bucket's parameters with the user's own optimizer (its param_groups cut down to those
-    parameters, its state shared: Note [One step, in buckets] in pyreducer/subset_step.py),
+    parameters, its state shared: Note [One step, in buckets] in pyreducer/overlap/subset_step.py),
     and zeroes their gradients as zero_grad() asked;
   - whatever the forward did not read is updated at its end, before the next backward.
 Where the update runs: lazily, on the Python thread, just before the read (not in a completion
@@ -38,9 +38,10 @@ import weakref
 import torch
 
 from pyreducer._ext import _C
-from pyreducer import arguments, pending, subset_step
-from pyreducer.fences import Fences
-from pyreducer.tuning.overlap_control import ScheduleTuner
+from pyreducer.overlap import pending, subset_step
+from pyreducer.overlap.fences import Fences
+from pyreducer.overlap.schedule_tuner import ScheduleTuner
+from pyreducer.wrapper import arguments
 
 HISTORY = 16  # iterations whose overlap events are kept (the timeline keeps 8 by default)
 
@@ -96,10 +97,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
             torch.nn.utils.clip_grad_norm_'s arithmetic (every bucket must be reduced first).
         schedule: "auto" (default): after a few iterations, the buckets are all-reduced in
             chunks, in the order that serves the next forward first: the step model of
-            pyreducer/tuning/schedule.py ranks chunk sizes from this run's timeline and a link
+            pyreducer/overlap/schedule.py ranks chunk sizes from this run's timeline and a link
             probe, the best few and torch DDP's step barrier are each timed for a few steps,
             and the fastest is kept (on every rank alike; see
-            pyreducer/tuning/overlap_control.py; schedule_log says what was planned, measured
+            pyreducer/overlap/schedule_tuner.py; schedule_log says what was planned, measured
             and chosen). "fifo": whole buckets in torch DDP's order (with 3 or more ranks, the
             only schedule whose all-reduce sums are torch DDP's bit for bit). A number: chunks
             of that many MB, in the planned priority order (planned as "auto" is, without
@@ -165,7 +166,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
     @property
     def schedule_log(self) -> list[dict]:
-        """The schedules chosen so far (schedule="auto"; pyreducer/tuning/overlap_control.py)."""
+        """The schedules chosen so far (schedule="auto"; pyreducer/overlap/schedule_tuner.py)."""
         return self.tuner.log if self.tuner is not None else []
 
     # -- the optimizer interface -----------------------------------------------------------------
@@ -218,8 +219,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def _step_hooks(self, hooks) -> None:
         """The wrapped optimizer's own step hooks (its register_step_pre_hook/_post_hook), run
         once per step(), as torch runs them, with its whole param_groups: the per-bucket
-        updates run its math alone (pyreducer/subset_step.py). Pre-hooks cannot change step()'s arguments
-        here (it has none but the refused closure)."""
+        updates run its math alone (pyreducer/overlap/subset_step.py). Pre-hooks cannot change
+        step()'s arguments here (it has none but the refused closure)."""
         for hook in list(hooks.values()):
             hook(self.optimizer, (self.optimizer,), {})
 
@@ -344,8 +345,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
     # at step(), before the forward, which its side streams then wait for. Here a bucket may be
     # updated on a side stream and read on the main one, which never waited for the side (or
     # the other way round). So after an update on CUDA, the bucket's parameters wear the
-    # pending class again (fenced: pyreducer/fences.py) until the fences are passed, and a read
-    # on a stream that has not waited yet for the event recorded after the update makes it
+    # pending class again (fenced: pyreducer/overlap/fences.py) until the fences are passed, and a
+    # read on a stream that has not waited yet for the event recorded after the update makes it
     # wait. A bucket completed by a read before step() (its averages written into .grad on the
     # reading stream) is fenced the same way, and the backward's stream waits for it at once
     # (a gradient taken from .grad is plain: torch has it ready there). A clip writes back

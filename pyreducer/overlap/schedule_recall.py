@@ -1,4 +1,4 @@
-"""The overlapped optimizer's schedule tuner (overlap_control.py), remembered: installing the
+"""The overlapped optimizer's schedule tuner (schedule_tuner.py), remembered: installing the
 schedule the tuning cache (memory.py) holds for the bucket plan bucket autotune recalled, timing
 it for one window, and saying and remembering each decision (announce.py)."""
 from __future__ import annotations

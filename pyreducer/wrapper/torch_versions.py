@@ -50,6 +50,6 @@ def version_tuple(version: str) -> tuple[int, int]:
 
 # torch 2.8 onwards (up to 2.15 at least, the newest checked): ProcessGroupGloo's worker threads
 # write the group's status string unlocked, so a sparse all-reduce beside another collective can
-# corrupt the heap (pyreducer/gloo_race.py; tests/upstream/gloo_sparse_race.py reproduces it).
-# pyreducer supports 2.11 onwards: every supported torch has it. Lift by version once fixed.
+# corrupt the heap (pyreducer/wrapper/gloo_race.py; tests/upstream/gloo_sparse_race.py reproduces
+# it). pyreducer supports 2.11 onwards: every supported torch has it. Lift by version once fixed.
 GLOO_STATUS_RACE = version_tuple(torch.__version__) >= (2, 8)

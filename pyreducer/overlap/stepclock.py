@@ -1,4 +1,4 @@
-"""Step clocks for the schedule tuner's trial windows (Note [Trial windows] in overlap_control.py).
+"""Step clocks for the schedule tuner's trial windows (Note [Trial windows] in schedule_tuner.py).
 
 A window is timed between two synced forwards' starts, with nothing synchronized in between: a
 per-step collective or device sync would wait behind the reductions left in flight and erase

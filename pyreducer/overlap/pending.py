@@ -1,7 +1,7 @@
 """The class a parameter wears while its update is pending (Note [Overlapped step] in
-pyreducer/overlap.py): a subclass of its own class whose __torch_function__ asks the overlapped
-optimizer to update it before any torch operation on it runs, and whose deepcopy copies the
-updated value. The optimizer restores the parameter's own class when it updates it."""
+pyreducer/overlap/optimizer.py): a subclass of its own class whose __torch_function__ asks the
+overlapped optimizer to update it before any torch operation on it runs, and whose deepcopy copies
+the updated value. The optimizer restores the parameter's own class when it updates it."""
 from __future__ import annotations
 
 import torch
@@ -56,8 +56,8 @@ def _pending_deepcopy(self, memo):
     """copy.deepcopy: the updated value, in a parameter of the class it had (Parameter's own
     __deepcopy__ makes the copy of type(self)). Inside an update, where reads pass through, the
     parameter is still pending: its value copied as it is. On CUDA an updated parameter may
-    wear the pending class still (fenced, Note [Streams] in pyreducer/overlap.py); the update
-    made the current stream wait for its fence, so it is copied as its own class."""
+    wear the pending class still (fenced, Note [Streams] in pyreducer/overlap/optimizer.py); the
+    update made the current stream wait for its fence, so it is copied as its own class."""
     overlap = getattr(self, "_pyreducer_overlap", None)
     if overlap is not None:
         overlap.update_parameter(self)

@@ -1,5 +1,5 @@
 """Overlap schedule: chunk sizes and launch order for an overlapped optimizer, and the step
-time they give (Note [Launch order] in csrc/reducer.h; pyreducer/overlap.py).
+time they give (Note [Launch order] in csrc/reducer.h; pyreducer/overlap/optimizer.py).
 
 Across the step barrier, the next forward reads the first layers' parameters first, but their
 bucket is full last in backward: launched last behind one FIFO of all-reduces, it is reduced
@@ -14,7 +14,7 @@ benchmarks/results/overlap_20261124.md measured exactly this). Chunks and priori
     backward only the last layers' chunks are ready and they keep the link busy; when the
     first layers' bucket fills, at most the budget is ahead of it.
 Chunk size and budget are chosen by the model (best_schedule tries a grid), then by timing
-(pyreducer/tuning/overlap_control.py). The order is computed once, by rank 0, and installed on
+(pyreducer/overlap/schedule_tuner.py). The order is computed once, by rank 0, and installed on
 every rank: at run time each entry launches when its bucket is full and the entry before it
 has launched, whatever the timing. So the budget lives in the order: the bytes actually in
 flight follow the ranks' timing (a run-time limit would need launches from completion
@@ -30,7 +30,7 @@ The step model of an overlapped step (`predict_ms`), per iteration:
              taking the link's latency, then its bytes at the bandwidth shared with the others
              on the wire (channel_done_ms);
     then the gap (step(), zero_grad(), loading the batch) before the next forward.
-Contention (link.contention = c, pyreducer/tuning/contention.py): while any reduction runs, the
+Contention (link.contention = c, pyreducer/overlap/contention.py): while any reduction runs, the
 compute (backward, the forward's segments, updates, the gap) advances at 1 - c of its speed;
 a backward's reductions move its own buckets' full times (solved in launch order: _backward).
 The profile's compute should be contention-free (OverlapProfile.with_compute_of): a profile
@@ -44,7 +44,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from pyreducer.tuning import contention
+from pyreducer.overlap import contention
 from pyreducer.tuning.linkmodel import LinkModel
 
 CHUNK_CANDIDATES_BYTES = (None, 8 << 20, 4 << 20, 2 << 20, 1 << 20, 512 << 10, 256 << 10)
@@ -68,7 +68,7 @@ class OverlapProfile:
 
     @staticmethod
     def from_records(records: list[dict]) -> "OverlapProfile":
-        """Medians over timeline records (pyreducer.timeline) that carry "overlap" events of
+        """Medians over timeline records (pyreducer.wrapper.timeline) that carry "overlap" events of
         the forward that followed their backward; raises ValueError if none does."""
         usable = [r for r in records if _complete_overlap(r)]
         if not usable:

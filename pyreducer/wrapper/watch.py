@@ -48,7 +48,7 @@ class ParameterWatch:
         """Raises ModelChanged if the module's parameters changed since wrapping."""
         change = self.change
         # Without __torch_function__: reading .shape of a parameter whose overlapped update is
-        # pending would run that update here (pyreducer/overlap.py), before the forward.
+        # pending would run that update here (pyreducer/overlap/optimizer.py), before the forward.
         with torch._C.DisableTorchFunctionSubclass():
             for name, p, shape in zip(self.params.names, self.params.tensors, self.shapes):
                 if change is not None:

@@ -170,8 +170,8 @@ def sync_buffers(params, src: int, group=None) -> None:
 # queue behind them: Gloo runs a group's collectives from one FIFO (ProcessGroupGloo's worker
 # threads take its work in order), NCCL one communicator's on one stream, in order. The forward
 # would wait for the whole previous step's communication before its first layer, and every model
-# with buffers would lose the overlap. So overlap_optimizer() (pyreducer/overlap.py) gives the
-# wrapper a second group over every rank (side_group, below) where the module has buffers, and
+# with buffers would lose the overlap. So overlap_optimizer() (pyreducer/overlap/optimizer.py) gives
+# the wrapper a second group over every rank (side_group, below) where the module has buffers, and
 # the broadcast goes there: the same values, from the same rank, at the same point of the program as torch DDP's,
 # beside the reductions (tests/multirank/test_overlap_beside.py: the group each broadcast used;
 # test_overlap.py: the buffers bit for bit against torch DDP's on the cnn cases). On NCCL the

@@ -1,5 +1,5 @@
 """Plans and installs an overlapped optimizer's schedule (chunks and launch order) at run time:
-what OverlapOptimizer(schedule="auto") delegates to (model: pyreducer/tuning/schedule.py).
+what OverlapOptimizer(schedule="auto") delegates to (model: pyreducer/overlap/schedule.py).
 
 At the start of a synced forward, on every rank alike (the counters are synced forwards, the
 same everywhere): once `warmup` synced iterations ran with the bucket plan in force (and a
@@ -36,12 +36,12 @@ import dataclasses
 import logging
 import statistics
 
-from pyreducer import sync
-from pyreducer import timeline as timeline_module
-from pyreducer.tuning import contention
-from pyreducer.tuning import schedule as schedule_model
-from pyreducer.tuning import stepclock
-from pyreducer.tuning.overlap_recall import ScheduleRecall
+from pyreducer.overlap import contention
+from pyreducer.overlap import schedule as schedule_model
+from pyreducer.overlap import stepclock
+from pyreducer.overlap.schedule_recall import ScheduleRecall
+from pyreducer.wrapper import sync
+from pyreducer.wrapper import timeline as timeline_module
 
 logger = logging.getLogger("pyreducer.overlap")
 

@@ -47,8 +47,8 @@ autotune) then uses device times. That path is compiled, not run: no GPU has run
 With an overlapped optimizer (model.overlap_optimizer) a record also has "overlap": the span of
 the forward that followed its backward ("forward_start_ns", "forward_end_ns") and per bucket its
 update ("bucket", "read_ns", "reduced_ns", "updated_ns", "module": the module whose forward read
-it; pyreducer/overlap.py; a sharded optimizer adds "gather_launch_ns" and "gathered_ns", its
-parameters' all-gather launched and waited for, and per record "memory": this rank's bytes by
+it; pyreducer/overlap/optimizer.py; a sharded optimizer adds "gather_launch_ns" and "gathered_ns",
+its parameters' all-gather launched and waited for, and per record "memory": this rank's bytes by
 what holds them, ShardedOptimizer.memory_bytes()); then also:
 
     hidden_forward_comm_ms  the part of the communication union inside that next forward's
@@ -68,8 +68,8 @@ import statistics
 
 def records(params, reducer, last: int = 1, rank: int | None = None, overlap=None) -> list[dict]:
     """See the module docstring: the last `last` records of `reducer` (a pyreducer._C.Reducer)
-    over `params` (its pyreducer.params.ReducedParams). `rank` defaults to this process's rank
-    in the params' group (pass it where that group may already be destroyed). `overlap`: an
+    over `params` (its pyreducer.wrapper.params.ReducedParams). `rank` defaults to this process's
+    rank in the params' group (pass it where that group may already be destroyed). `overlap`: an
     overlapped optimizer's events(iteration), attached to each record as "overlap"."""
     rank = params.rank if rank is None else rank
     result = []

@@ -20,7 +20,7 @@ construction; milliseconds), one thread and one set of connections per wrapper, 
 buckets that no longer run two at a time (one worker). Left exposed: a communication hook's
 own all-reduces (the hook runs them on the group) and the user's own sparse collectives.
 
-GLOO_STATUS_RACE (pyreducer/torch_versions.py) says which torch versions need it; lift it by
+GLOO_STATUS_RACE (pyreducer/wrapper/torch_versions.py) says which torch versions need it; lift it by
 version once torch fixes the race (the reproducer tells).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pyreducer import torch_versions
+from pyreducer.wrapper import torch_versions
 
 _made: dict = {}  # group name -> one-thread backends made over groups of that name (process)
 

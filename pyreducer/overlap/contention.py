@@ -7,14 +7,14 @@ held iterations' compute, the probe's c predicted the tuner's trials within 10% 
 schedules, the in-place c for 56 (in run 7 the iterations it came from were slow: c 0.73 in
 place against 0.17 probed, and predictions 1.3-1.45x).
 
-The model (pyreducer/tuning/schedule.py): while any all-reduce of the rank is running, its compute
+The model (pyreducer/overlap/schedule.py): while any all-reduce of the rank is running, its compute
 advances at 1 - c of its speed (c = LinkModel.contention; probe_contention measures the same c as
 1 - alone / beside one all-reduce). With one core per emulated host, Gloo's threads and the
 kernel's network stack run on the core the compute holds: c was 0.15-0.6.
 
 Measured in place (measure_in_place): the schedule tuner times a few iterations of the plan in
 force with every all-reduce held to the backward's end and completed before the next forward
-(overlap_control.ScheduleTuner._hold): their backward and forward are the compute alone. Beside
+(schedule_tuner.ScheduleTuner._hold): their backward and forward are the compute alone. Beside
 the iterations recorded before, with the all-reduces overlapping backward and forward, the
 compute that took B0 alone took B on the wall clock, of which O with communication running:
 B0 = (B - O) + (1 - c) * O, so, pooling the backward (B) and the forward's compute (F: between
@@ -77,8 +77,8 @@ def advance(t: float, work: float, busy: list[tuple[float, float]], contention: 
 
 
 def measure_in_place(loaded: list[dict], held: list[dict]) -> dict | None:
-    """c from timeline records (pyreducer.timeline, with "overlap" events of the forward that
-    followed each backward): `loaded` recorded with all-reduces beside the compute, `held` with
+    """c from timeline records (pyreducer.wrapper.timeline, with "overlap" events of the forward
+    that followed each backward): `loaded` recorded with all-reduces beside the compute, `held` with
     none beside it (module doc). Returns {"contention", "backward_ms", "forward_ms" (the held
     medians), "loaded_backward_ms", "loaded_forward_ms", "busy_backward_ms", "busy_forward_ms"
     (the loaded medians), "held_records", "loaded_records"}, or None if either set has no

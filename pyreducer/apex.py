@@ -38,20 +38,27 @@ SHARED_PARAM_MESSAGE = (
 class DistributedDataParallel(distributed.DistributedDataParallel):
     """Apex's DistributedDataParallel (its last signature) on pyreducer's Reducer.
 
-    Args (Apex's, with Apex's defaults):
-        message_size: bucket cap in elements (default 10,000,000).
-        delay_allreduce: one all-reduce per dtype after backward, no overlap.
-        shared_param: refused, as Apex does.
-        allreduce_trigger_params: buckets close after these parameters' gradients (in the order
-            observed in the first iteration); message_size is then ignored.
-        retain_allreduce_buffers: gradients stay views of the flat buffers (allreduce_buffers).
-        allreduce_always_fp32: reduce float16/bfloat16 (and float64) buckets in float32.
-        num_allreduce_streams, allreduce_communicators: several CUDA streams and communicators:
-            not supported (pyreducer issues one ordered stream of collectives).
-        gradient_average: divide by the world size (default True).
-        gradient_predivide_factor: multiply by 1/f before the all-reduce, by f/world_size after.
-        gradient_average_split_factor: ignored, as in Apex (deprecated there).
-        prof: accepted; pyreducer always records profiler ranges.
+    The arguments are Apex's, with Apex's defaults.
+
+    Args:
+        message_size (int): bucket cap in elements (default 10,000,000).
+        delay_allreduce (bool): one all-reduce per dtype after backward, no overlap.
+        shared_param (None): refused, as Apex does.
+        allreduce_trigger_params (list | None): buckets close after these parameters'
+            gradients (in the order observed in the first iteration); message_size is then
+            ignored.
+        retain_allreduce_buffers (bool): gradients stay views of the flat buffers
+            (allreduce_buffers).
+        allreduce_always_fp32 (bool): reduce float16/bfloat16 (and float64) buckets in float32.
+        num_allreduce_streams (int): several CUDA streams: not supported (pyreducer issues one
+            ordered stream of collectives); 1 only.
+        allreduce_communicators (None): several communicators: not supported, as
+            num_allreduce_streams.
+        gradient_average (bool): divide by the world size (default True).
+        gradient_predivide_factor (float): multiply by 1/f before the all-reduce, by
+            f/world_size after.
+        gradient_average_split_factor (None): ignored, as in Apex (deprecated there).
+        prof (bool): accepted; pyreducer always records profiler ranges.
     """
 
     def __init__(self, module, message_size=10000000, delay_allreduce=False, shared_param=None,
@@ -98,6 +105,8 @@ class DistributedDataParallel(distributed.DistributedDataParallel):
 
     @frames.run_eagerly  # as the wrapper's (Note [The wrapper's forward under torch.compile])
     def forward(self, *inputs, **kwargs):
+        """pyreducer's forward; with allreduce_trigger_params, the synced forward after the
+        first iteration applies `trigger_plan()` first (on every rank: rank 0's)."""
         if self.trigger_params is not None and self.require_backward_grad_sync and \
                 torch.is_grad_enabled() and self.reducer.num_iterations == 1:
             self.apply_bucket_plan(self.trigger_plan())  # rank 0's, on every rank

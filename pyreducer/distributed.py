@@ -1,3 +1,5 @@
+# layout: long because the public methods carry the API reference's docstrings
+# (docs/pages/reference/ddp.md renders them).
 """pyreducer.DistributedDataParallel: the drop-in replacement for torch's DDP.
 
 Swap `from torch.nn.parallel import DistributedDataParallel as DDP` for
@@ -35,8 +37,9 @@ from pyreducer.wrapper.join import (ReducerJoinHook, find_common_rank, refuse_un
 from pyreducer.wrapper.params import ReducedParams, reduced_parameters
 from pyreducer.wrapper.watch import ParameterWatch
 
-# The Reducer's defaults (csrc/reducer.h ReducerOptions), stated there once.
-_DEFAULTS = _C.ReducerOptions()
+# The signature's timeline_iterations=8 and check_finite=False are the Reducer's defaults
+# (csrc/reducer.h ReducerOptions), written out for the API reference's readers
+# (tests/unit/test_layout.py compares them).
 TRACE_ENV = "PYREDUCER_TRACE"  # =<dir>: every wrapper records its timeline there (observe/recorder)
 
 
@@ -44,42 +47,50 @@ class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel wrapper: averages gradients across ranks during backward.
 
     Arguments are the installed torch DDP's, in its order, with its meaning and defaults (see
-    torch.nn.parallel.DistributedDataParallel); torch 2.13's batched_grad_copy and
-    forward_sync_buffers also on older torch (pyreducer/wrapper/torch_versions.py). pyreducer
-    differences: errors name the parameters and ranks involved, always; a backward that leaves a
-    parameter without gradient raises at its end instead of at the next forward; mixed_precision
-    runs on any device (pyreducer/wrapper/precision.py).
+    `torch.nn.parallel.DistributedDataParallel`); torch 2.13's `batched_grad_copy` and
+    `forward_sync_buffers` also on older torch (`pyreducer/wrapper/torch_versions.py`).
+    pyreducer differences: errors name the parameters and ranks involved, always; a backward
+    that leaves a parameter without gradient raises at its end instead of at the next forward;
+    `mixed_precision` runs on any device (`pyreducer/wrapper/precision.py`).
 
-    pyreducer's own arguments (keyword-only):
-        bucket_plan: replay a saved bucket plan exactly (a JSON path from save_bucket_plan(),
-            the list bucket_plan() returns, or lists of parameter names; launch order). The
-            plan must be the same on every rank (checked) and is never rebuilt.
-        timeline_iterations: how many synced iterations the per-bucket timeline keeps (see
-            timeline()); 0 turns recording off.
-        gradient_predivide_factor: f: each bucket is multiplied by 1/f before the all-reduce
-            and by f/world_size after it (Apex's scheme; with fp16/bf16 at large world sizes,
-            between overflow of the sum and underflow of a pre-divided gradient).
-        reduce_dtype: reduce each bucket in this dtype (e.g. torch.float32 for float16/bfloat16
-            gradients), cast back afterwards; averaged after the sum, as with a predivide factor
-            of 1. Neither can be combined with a communication hook or mixed_precision.
-        check_finite: a NaN or Inf in an averaged gradient makes backward raise on every rank,
-            naming the parameters and the ranks it came from (csrc/reducer_finite.cpp).
-    bucket_cap_mb="auto" (or a tuning.AutotuneConfig): online autotune (tuning/autotune.py).
+    The arguments below are pyreducer's own (keyword-only, after torch DDP's), and
+    `bucket_cap_mb`, which takes more than torch DDP's cap.
+
+    Args:
+        bucket_cap_mb (float | str | AutotuneConfig | None): torch DDP's bucket cap in MiB;
+            or `"auto"` (or a `pyreducer.tuning.AutotuneConfig`): online autotune
+            (`pyreducer/tuning/autotune.py`).
+        bucket_plan (str | list | None): replay a saved bucket plan exactly (a JSON path
+            from `save_bucket_plan()`, the list `bucket_plan()` returns, or lists of parameter
+            names; launch order). The plan must be the same on every rank (checked) and is
+            never rebuilt.
+        timeline_iterations (int): how many synced iterations the per-bucket timeline keeps
+            (see `timeline()`); 0 turns recording off.
+        gradient_predivide_factor (float | None): f: each bucket is multiplied by 1/f before
+            the all-reduce and by f/world_size after it (Apex's scheme; with fp16/bf16 at large
+            world sizes, between overflow of the sum and underflow of a pre-divided gradient).
+        reduce_dtype (torch.dtype | None): reduce each bucket in this dtype (e.g.
+            `torch.float32` for float16/bfloat16 gradients), cast back afterwards; averaged
+            after the sum, as with a predivide factor of 1. Neither can be combined with a
+            communication hook or `mixed_precision`.
+        check_finite (bool): a NaN or Inf in an averaged gradient makes backward raise on
+            every rank, naming the parameters and the ranks it came from
+            (`csrc/reducer_finite.cpp`).
     """
 
     _buffer_group = None  # overlap_optimizer(): Note [Buffers beside deferred reductions]
     _compiled = None  # CompiledSplits; none where every parameter's all-reduce is delayed
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
-                 broadcast_buffers=torch_versions.BROADCAST_BUFFERS_DEFAULT, init_sync=True, process_group=None, bucket_cap_mb=None,
-                 find_unused_parameters=False, check_reduction=False,
-                 gradient_as_bucket_view=False, static_graph=False,
+                 broadcast_buffers=torch_versions.BROADCAST_BUFFERS_DEFAULT, init_sync=True,
+                 process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
+                 check_reduction=False, gradient_as_bucket_view=False, static_graph=False,
                  delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
-                 *, bucket_plan=None, timeline_iterations=_DEFAULTS.timeline_iterations,
+                 *, bucket_plan=None, timeline_iterations=8,
                  gradient_predivide_factor=None, reduce_dtype=None,
-                 check_finite=_DEFAULTS.check_finite):
+                 check_finite=False):
         super().__init__()
         Joinable.__init__(self)
         # torch DDP's checks, in its order (arguments.py).
@@ -227,6 +238,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     # -- DDP's forward ---------------------------------------------------------------------------
     @frames.run_eagerly  # never traced: Note [The wrapper's forward under torch.compile]
     def forward(self, *inputs, **kwargs):
+        """Runs the wrapped module, with what torch DDP does around it, in its order on every
+        rank: the bucket rebuild after the first synced backward, rank 0's buffers broadcast
+        (`forward_sync_buffers`), inputs moved to `device_ids[0]`, and, when grad is enabled
+        and gradients sync (not under `no_sync()`), the reducer armed for the backward through
+        the returned output. Never traced by `torch.compile`: the module inside is compiled,
+        split at the buckets (`pyreducer/compiled`)."""
         outer = frames.swap_callback(None)  # first: no frame below compiled but the module's
         try:
             with torch.autograd.profiler.record_function("pyreducer.DistributedDataParallel.forward"):
@@ -288,7 +305,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def prepare_for_backward(self, output):
         """Arms the reducer for a backward through the returned `output` (its tensors through
-        the reducer's sink); pyreducer.lightning: for a loss whose backward runs in forward."""
+        the reducer's sink). `forward()` calls it; call it yourself only for a loss whose
+        backward runs inside the forward (`pyreducer.lightning`'s manual optimisation)."""
         self.require_forward_param_sync = True
         training_ranks, self._training_ranks = self._training_ranks, None
         if training_ranks is not None:  # join(divide_by_initial_world_size=False)
@@ -300,7 +318,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     @contextmanager
     def no_sync(self):
         """Within this context, backward accumulates gradients locally without communication;
-        the first forward-backward after it reduces the accumulated sum."""
+        the first forward-backward after it reduces the accumulated sum.
+
+        Setting `model.require_backward_grad_sync = False` does the same (nanoGPT's style).
+        """
         old = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -310,6 +331,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     @property
     def broadcast_buffers(self) -> bool:
+        """torch DDP's older name for `forward_sync_buffers` (read and set): whether each
+        forward starts by broadcasting rank 0's buffers."""
         return self.forward_sync_buffers
 
     @broadcast_buffers.setter
@@ -326,35 +349,70 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- inspection ------------------------------------------------------------------------------
     def bucket_plan(self) -> list[dict]:
-        """The buckets in launch order: parameter names (slot order), dtype, device, bytes."""
+        """The buckets in launch order: parameter names (slot order), dtype, device, bytes.
+
+        The same on every rank; `save_bucket_plan()` writes it, and `bucket_plan=` (the
+        constructor's) or `apply_bucket_plan()` takes it back.
+        """
         return bucketing.describe_plan(self._params.names, self._params.tensors,
                                        self.reducer.bucket_layout())
 
     def save_bucket_plan(self, path) -> None:
-        """Writes bucket_plan() as JSON; pass the path as bucket_plan= to replay it."""
+        """Writes `bucket_plan()` as JSON; pass the path as `bucket_plan=` to replay it.
+
+        Args:
+            path (str | os.PathLike): the JSON file to write.
+        """
         bucketing.save_plan(self.bucket_plan(), path)
 
     def compiled_summary(self) -> dict:
-        """Under torch.compile: the compiled modules given pyreducer's splitting forward, and per
-        captured graph the pieces it was split into at this plan's buckets (pyreducer/compiled)."""
+        """Under `torch.compile`: the compiled modules given pyreducer's splitting forward, and
+        per captured graph the pieces it was split into at this plan's buckets
+        (`pyreducer/compiled`); empty without `torch.compile`."""
         return self._compiled.summary() if self._compiled is not None else {}
 
     def timeline(self, last: int = 1) -> list[dict]:
-        """The last `last` synced iterations' events on this rank (fields: wrapper/timeline.py)."""
+        """The last `last` synced iterations' events on this rank, oldest first (fields:
+        `pyreducer/wrapper/timeline.py`).
+
+        Each record holds the iteration, the bucket plan's version, the backward's start and
+        end, each gradient's ready time, and per bucket its ready, launch and done times
+        (nanoseconds, this host's monotonic clock); with an overlapped optimizer, also the next
+        forward and each bucket's update ("overlap").
+
+        Args:
+            last: how many iterations, at most `timeline_iterations` (the constructor's).
+        """
         return timeline_module.records(self._params, self.reducer, last,
                                        overlap=self._overlap.events if self._overlap else None)
 
     def overlap_stats(self, last: int | None = None) -> dict:
-        """Overlap of communication with backward, per iteration and averaged (wrapper/timeline.py)."""
+        """Overlap of communication with backward, per iteration and averaged
+        (`pyreducer/wrapper/timeline.py`).
+
+        Fields in milliseconds: `backward_ms`, `comm_ms` per bucket, `comm_busy_ms`,
+        `hidden_comm_ms`, `exposed_comm_ms`, `wait_ms`, `last_bucket_bound_ms`, and
+        `overlap_fraction` (hidden / busy; 1.0: all communication hidden).
+
+        Args:
+            last: how many of the recorded iterations; None: all of them.
+        """
         return timeline_module.overlap_stats(
             self.timeline(last if last is not None else 1 << 30))
 
     # -- communication hooks ---------------------------------------------------------------------
     def register_comm_hook(self, state: object, hook) -> None:
-        """torch DDP's interface: hook(state, bucket) -> torch.futures.Future[Tensor] (bucket:
-        buffer(), index(), is_last(), parameters(), gradients(), set_buffer(); the future's value:
-        the averaged bucket). Before the first forward, once; torch's hooks work unchanged. The
-        hook runs with the GIL for its own call; the rest of the path stays in C++."""
+        """Registers a communication hook, torch DDP's interface: torch's hooks work unchanged.
+
+        Before the first forward, once. The hook runs with the GIL for its own call; the rest
+        of the path stays in C++.
+
+        Args:
+            state: passed to every call of the hook (for example a PowerSGD state).
+            hook (Callable): `hook(state, bucket) -> torch.futures.Future[Tensor]`; `bucket` offers
+                `buffer()`, `index()`, `is_last()`, `parameters()`, `gradients()`,
+                `set_buffer()`; the future's value is the averaged bucket.
+        """
         try:
             arguments.check_comm_hook(hook)
             if self._reducer_settings["check_finite"]:  # Note [Finite check]
@@ -368,9 +426,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._logger.set_comm_hook(getattr(hook, "__qualname__", repr(hook)))
 
     def register_builtin_hook(self, name: str) -> None:
-        """A C++ communication hook, no Python per bucket: "fp16" or "bf16" compression. The
-        bucket is divided by the world size in its own precision, cast to float16/bfloat16,
-        all-reduced, and cast back (torch's Python fp16 hook casts first, then divides)."""
+        """Registers a C++ communication hook, no Python per bucket: fp16 or bf16 compression.
+
+        The bucket is divided by the world size in its own precision, cast to float16/bfloat16,
+        all-reduced, and cast back (torch's Python fp16 hook casts first, then divides).
+
+        Args:
+            name: `"fp16"` or `"bf16"`.
+        """
         sparse = [n for n, s in zip(self._params.names, self._params.sparse) if s]
         if sparse:
             raise ValueError(f"register_builtin_hook({name!r}) compresses dense buckets; "
@@ -381,28 +444,55 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- bucket tuning (pyreducer/tuning/control.py) ---------------------------------------------
     def profile(self, forward_ms: float = 0.0, optimizer_ms: float = 0.0, last: int = 3):
-        """This rank's step profile (gradient ready times, sizes) from the last iterations."""
+        """This rank's step profile (gradient ready times, sizes) from the last iterations: a
+        `pyreducer.tuning.Profile`, the step model's input.
+
+        Args:
+            forward_ms: the forward's time, added to every predicted step.
+            optimizer_ms: the optimizer step's time, added to every predicted step.
+            last: how many recorded iterations (median of each gradient's ready time).
+        """
         return self._tuning.profile(forward_ms, optimizer_ms, last)
 
     def plan_buckets(self, link=None, forward_ms: float = 0.0, optimizer_ms: float = 0.0) -> dict:
         """The plan of least predicted step time, beside the current plan's and torch DDP's; on
-        every rank (probes the link unless given; rank 0's answer). apply_bucket_plan applies it."""
+        every rank (probes the link unless given; rank 0's answer). `apply_bucket_plan` applies
+        it.
+
+        Args:
+            link (LinkModel | None): a `pyreducer.tuning.LinkModel`; None: probed now (collective).
+            forward_ms: the forward's time, as in `profile()`.
+            optimizer_ms: the optimizer step's time, as in `profile()`.
+
+        Returns:
+            `"plan"` (parameter names per bucket, launch order) and its `"predicted_ms"`,
+                beside `"current_predicted_ms"` (the plan in force) and
+                `"ddp_default_predicted_ms"` (torch DDP's default caps); `"link"`: the link
+                model's numbers.
+        """
         return self._tuning.plan_buckets(link, forward_ms, optimizer_ms)
 
     def apply_bucket_plan(self, plan) -> None:
-        """Uses `plan` (parameter indices or names per bucket, launch order) from now on; call on
-        every rank between iterations; rank 0's plan is the one applied."""
+        """Uses `plan` from now on; call on every rank between iterations; rank 0's plan is the
+        one applied.
+
+        Args:
+            plan (list[list[int]] | list[list[str]]): parameter indices or names per bucket,
+                in launch order (`plan_buckets()`'s `"plan"`, or the names from
+                `bucket_plan()`).
+        """
         self._overlap.before_plan_change() if self._overlap else None
         self._tuning.apply_bucket_plan(plan)
 
     @property
     def autotune_log(self) -> list[dict]:
-        """Online autotune's decisions so far (empty without bucket_cap_mb="auto")."""
+        """Online autotune's decisions so far (empty without `bucket_cap_mb="auto"`)."""
         return self._autotune.log if self._autotune is not None else []
 
     def tuning_phase(self) -> tuple[str, dict]:
-        """What the tuners do in the coming steps, in words (tuning.announce.phase), and their
-        logs ("buckets": autotune_log, "schedule": the overlapped optimizer's schedule_log)."""
+        """What the tuners do in the coming steps, in words (`pyreducer.tuning.announce.phase`),
+        and their logs (`"buckets"`: `autotune_log`, `"schedule"`: the overlapped optimizer's
+        `schedule_log`)."""
         logs = dict(buckets=self._autotune, schedule=getattr(self._overlap, "tuner", None))
         logs = {what: tuner.log for what, tuner in logs.items() if tuner is not None}
         return announce.phase(self._autotune, self._overlap), logs
@@ -410,12 +500,20 @@ class DistributedDataParallel(nn.Module, Joinable):
     # -- uneven inputs (torch.distributed.algorithms.join protocol) -------------------------------
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False):
-        """Context manager for uneven inputs, as torch DDP's join(); see wrapper/join.py."""
+        """Context manager for uneven inputs, as torch DDP's `join()`: ranks that run out of
+        data shadow the others' collectives (`pyreducer/wrapper/join.py`).
+
+        Args:
+            divide_by_initial_world_size: True: divide gradients by the world size at the
+                start; False: by the ranks still training.
+            enable: False: the context does nothing.
+            throw_on_early_termination: raise on every rank once one runs out of data.
+        """
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs) -> ReducerJoinHook:
-        """torch's Joinable interface; divide_by_initial_world_size=False divides each
+        """torch's `Joinable` interface; `divide_by_initial_world_size=False` divides each
         iteration's gradients by the ranks still training (the join notification's sum)."""
         self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
         refuse_unjoinable(self.skip_all_reduce_unused_params, self._delayed is not None,
@@ -425,17 +523,30 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     @property
     def join_device(self) -> torch.device:
+        """torch's `Joinable` interface: the device of the join's collectives."""
         return self._params.device
 
     @property
     def join_process_group(self):
+        """torch's `Joinable` interface: the process group of the join's collectives."""
         return self.process_group
 
     # -- the overlapped optimizer (pyreducer/overlap/) --------------------------------------------
-    def overlap_optimizer(self, optimizer, shard: bool = False, **options):
+    def overlap_optimizer(self, optimizer, shard: bool = False, **options) -> OverlapOptimizer:
         """An optimizer whose updates overlap the next forward (Note [Overlapped step],
-        overlap/optimizer.py; options: OverlapOptimizer's); shard=True: its state and update sharded
-        (Note [Sharded step], pyreducer/sharded). Called again, it replaces the previous one."""
+        `pyreducer/overlap/optimizer.py`). Called again, it replaces the previous one.
+
+        `**options` are `OverlapOptimizer`'s: `max_grad_norm`, `hold_back`, `schedule`.
+
+        Args:
+            optimizer (torch.optim.Optimizer): a torch optimizer over the model's parameters.
+            shard: True: its state and update sharded across the ranks (Note [Sharded step],
+                `pyreducer/sharded`).
+
+        Returns:
+            An `OverlapOptimizer` (a `ShardedOptimizer` with `shard=True`) to step in place
+                of `optimizer`.
+        """
         arguments.refuse_overlap_with(join=self._join_config.enable,
                                       check_finite=self._reducer_settings["check_finite"])
         self._overlap = (ShardedOptimizer if shard else OverlapOptimizer)(
@@ -452,8 +563,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._overlap.synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """nn.Module.zero_grad. With an overlapped optimizer, a gradient whose update is pending
-        is zeroed right after it (read now, the update would run now: no overlap)."""
+        """`nn.Module.zero_grad`. With an overlapped optimizer, a gradient whose update is
+        pending is zeroed right after it (read now, the update would run now: no overlap)."""
         if self._overlap is None:
             return super().zero_grad(set_to_none)
         self._overlap.zero_grad(set_to_none, params=list(self.parameters()))

@@ -48,7 +48,8 @@ def swap_callback(callback):
     """Installs dynamo's frame callback (None: no compilation) and returns the one it replaces.
     Its own frame, entered with the user's callback on, is compiled by it (an empty graph): that
     is what satisfies dynamo's check that torch.compile(DDP(model), fullgraph=True) compiled a
-    frame (skipping this frame made that check fail). Fragile: see the issue 29 note."""
+    frame (skipping this frame made that check fail). Fragile: it rests on dynamo's private
+    frame-callback API (pyreducer/compiled/dynamo.py keeps what it needs of dynamo in one place)."""
     ef = _eval_frame()
     return ef.set_eval_frame(callback) if ef is not None else None
 

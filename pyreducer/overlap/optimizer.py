@@ -85,34 +85,36 @@ class OverlapOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose updates overlap the next forward (Note [Overlapped step]).
 
     Shares param_groups, state and defaults with the optimizer it wraps (LR schedulers work on
-    either); step() and zero_grad() take effect bucket by bucket during the next forward, with
-    the hyperparameters (lr, ...) in force when step() was called.
+    either); `step()` and `zero_grad()` take effect bucket by bucket during the next forward,
+    with the hyperparameters (lr, ...) in force when `step()` was called.
+
+    Made by `model.overlap_optimizer(optimizer, **options)`, which passes the wrapper's own
+    arguments: `reducer` and `params` (the wrapper's C++ Reducer and ReducedParams), `module`
+    (the wrapped module: its submodules get the early-update hooks), `tuning` and `autotune`
+    (the wrapper's BucketTuning and AutoTuner: `schedule="auto"` waits for the bucket
+    autotune to decide), and `replacing` (the wrapper's previous overlapped optimizer, removed
+    once the arguments are accepted: a refused replacement leaves it working).
 
     Args:
-        optimizer: any torch optimizer over the wrapped model's parameters (step() without a
-            closure).
-        reducer, params: the wrapper's C++ Reducer and ReducedParams.
-        module: the wrapped module (its submodules get the early-update hooks).
-        max_grad_norm: clip the global gradient norm to this before any update, with
-            torch.nn.utils.clip_grad_norm_'s arithmetic (every bucket must be reduced first).
-        schedule: "auto" (default): after a few iterations, the buckets are all-reduced in
-            chunks, in the order that serves the next forward first: the step model of
-            pyreducer/overlap/schedule.py ranks chunk sizes from this run's timeline and a link
-            probe, the best few and torch DDP's step barrier are each timed for a few steps,
-            and the fastest is kept (on every rank alike; see
-            pyreducer/overlap/schedule_tuner.py; schedule_log says what was planned, measured
-            and chosen). "fifo": whole buckets in torch DDP's order (with 3 or more ranks, the
-            only schedule whose all-reduce sums are torch DDP's bit for bit). A number: chunks
-            of that many MB, in the planned priority order (planned as "auto" is, without
-            choosing the size).
-        hold_back: with schedule="fifo": how many of the last buckets (the first layers', full
-            last in backward) are launched first-layers-first right after the backward, so
-            that the next forward's first reads complete first (Note [Launch order] in
-            csrc/reducer.h). 0: torch DDP's order.
-        tuning, autotune: the wrapper's BucketTuning and AutoTuner (schedule="auto" waits for
-            the bucket autotune to decide).
-        replacing: the wrapper's previous overlapped optimizer, removed once the arguments
-            are accepted (a refused replacement leaves it working).
+        optimizer (torch.optim.Optimizer): any torch optimizer over the wrapped model's
+            parameters (`step()` without a closure).
+        max_grad_norm (float | None): clip the global gradient norm to this before any
+            update, with `torch.nn.utils.clip_grad_norm_`'s arithmetic (every bucket must be
+            reduced first).
+        schedule (str | float): `"auto"` (default): after a few iterations, the buckets are
+            all-reduced in chunks, in the order that serves the next forward first: the step
+            model of `pyreducer/overlap/schedule.py` ranks chunk sizes from this run's timeline
+            and a link probe, the best few and torch DDP's step barrier are each timed for a
+            few steps, and the fastest is kept (on every rank alike; see
+            `pyreducer/overlap/schedule_tuner.py`; `schedule_log` says what was planned,
+            measured and chosen). `"fifo"`: whole buckets in torch DDP's order (with 3 or more
+            ranks, the only schedule whose all-reduce sums are torch DDP's bit for bit). A
+            number: chunks of that many MB, in the planned priority order (planned as
+            `"auto"` is, without choosing the size).
+        hold_back (int): with `schedule="fifo"`: how many of the last buckets (the first
+            layers', full last in backward) are launched first-layers-first right after the
+            backward, so that the next forward's first reads complete first
+            (Note [Launch order] in `csrc/reducer.h`). 0: torch DDP's order.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, reducer, params, module,
@@ -261,10 +263,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.optimizer.state = value
 
     def state_dict(self):
+        """The wrapped optimizer's `state_dict()`, once every pending update is done (torch's
+        format: a plain optimizer of the same class loads it)."""
         self.synchronize()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        """Loads `state_dict` into the wrapped optimizer, once every pending update is done,
+        and shares the optimizer's new param_groups (an LR scheduler may drive either)."""
         self.synchronize()
         self.optimizer.load_state_dict(state_dict)
         # torch's load_state_dict gives the optimizer new param_groups: share them, or an LR

@@ -11,6 +11,10 @@ from pyreducer.observe import InputError, output_dir
 from pyreducer.testing.models import SPECS
 
 MODELS = sorted(SPECS)
+DESCRIPTION = ("pyreducer's tools: train with torch DDP and pyreducer side by side (demo), record "
+               "and report a run's per-bucket timeline (trace, report), predict runs on more "
+               "hosts (simulate), run ranks on emulated hosts (netem), and test against torch "
+               "DDP (soak, fuzz).")
 
 
 def trace_worker(rank, world_size, model_name, steps, bucket_cap_mb, batch, keep):
@@ -174,7 +178,7 @@ def _add_harness_commands(commands) -> None:
                        help="with --torchrun: torchrun's --max-restarts; default 0")
     netem.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                        help="the command every rank runs, after --: -- python train.py ...")
-    soak = commands.add_parser("soak", help="a long run at world size 2 watching memory, file "
+    soak = commands.add_parser("soak", help="train long at world size 2, watching memory, file "
                                              "descriptors and threads (make soak: 10,000 steps)")
     soak.add_argument("--steps", type=int, default=10000, metavar="N",
                       help="training steps; default 10000")
@@ -189,7 +193,8 @@ def _add_harness_commands(commands) -> None:
     soak.add_argument("--plot", default=None, metavar="PNG",
                       help="plot memory, threads and descriptors per step; default: no plot")
     fuzz = commands.add_parser("fuzz", help="differential fuzzing against torch DDP: random "
-                                             "models and options, results compared bit for bit")
+                                             "models and options, parameters compared bit for "
+                                             "bit")
     fuzz.add_argument("--cases", type=int, default=40, metavar="N",
                       help="random cases to run; default 40")
     fuzz.add_argument("--seed", type=int, default=0, metavar="S",
@@ -202,15 +207,20 @@ def _add_harness_commands(commands) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pyreducer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pyreducer", description=DESCRIPTION,
+                                     epilog="A command's options: python -m pyreducer COMMAND "
+                                            "--help")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = commands.add_parser("demo", help="train with torch DDP and pyreducer side by side")
+    demo = commands.add_parser("demo", help="train one model with torch DDP and with pyreducer "
+                                            "on local Gloo ranks; print each step's loss and "
+                                            "time, the parity and the step-time ratio")
     _add_training_options(demo, "demo", 20)
     demo.add_argument("--out", default="run/demo", metavar="DIR",
                       help="folder for the trace, plots and step profile; default run/demo")
 
-    trace = commands.add_parser("trace", help="train a reference model with pyreducer; write "
-                                              "trace, plots, summary and step profile")
+    trace = commands.add_parser("trace", help="train a reference model with pyreducer on local "
+                                              "Gloo ranks; write its trace, plots, summary and "
+                                              "step profile")
     _add_training_options(trace, "mlp_large", 20)
     trace.add_argument("--bucket-cap-mb", type=float, default=None, metavar="MIB",
                        help="bucket cap in MiB (as DDP's bucket_cap_mb); default DDP's caps")
@@ -225,15 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="output folder; default run/trace")
 
     report = commands.add_parser(
-        "report", help="merge the rank files of PYREDUCER_TRACE=DIR into trace, plots, summary")
-    report.add_argument("dir", metavar="DIR", help="the folder PYREDUCER_TRACE named")
+        "report", help="merge the rank files a PYREDUCER_TRACE=DIR run wrote into a trace, "
+                       "plots and a summary")
+    report.add_argument("dir", metavar="DIR", help="the folder PYREDUCER_TRACE named (its "
+                                                   "rank<R>.json files)")
     report.add_argument("--keep", type=int, default=None, metavar="N",
                         help="last iterations shown; default all that were recorded")
     report.add_argument("--model-index", type=int, default=0, metavar="K",
                         help="which wrapper, for scripts that build several (rank<R>.model<K>."
                              "json); default 0, the first")
 
-    simulate = commands.add_parser("simulate", help="predict many-host runs from a step profile")
+    simulate = commands.add_parser("simulate", help="predict step time and scaling on more "
+                                                    "ranks and other links from a step profile")
     simulate.add_argument("--profile", required=True, metavar="PATH",
                           help="profile.json, or the folder holding it (written by trace, "
                                "report and demo)")

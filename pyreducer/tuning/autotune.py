@@ -41,10 +41,11 @@ logger = logging.getLogger("pyreducer.autotune")
 
 
 # Note [Probe in pieces]
-# The link probe once ran whole at one forward: ~1.7 s at 1 Gbit/s (all-reduces up to 16 MiB, 5
+# A link probe run whole at one forward takes ~1.7 s at 1 Gbit/s (all-reduces up to 16 MiB, 5
 # times each, then the contention probe), a step 4-5 times as long as the bench models', which
-# put the 12-step window around it 30-40% above torch DDP's (issue 31). Now it is smaller (fewer
-# repetitions, 16 MiB once: control.PROBE_REPS) and runs in pieces of at most ~0.16 s there (2
+# puts the 12-step window around it 30-40% above torch DDP's (benchmarks/results/
+# tuning_phase_20261128.md). So the probe is small (few repetitions, 16 MiB once:
+# control.PROBE_REPS) and runs in pieces of at most ~0.16 s there (2
 # MiB moved, one contention sample, the latency under load, the queue), one every `probe_every`
 # synced forwards while the starting plan (torch DDP's caps) is measured: its step times exclude
 # the pieces (they run inside the tuner), and a 12-step window holds 2 of them (up to ~0.26 s,
@@ -65,7 +66,7 @@ class AutotuneConfig:
         abandon_ratio: a candidate whose first 2 steps are both this much slower than the best
             plan so far is dropped after those 2; after 1, if that one is slower by twice as
             much (1.2x by default): a trial slower than torch DDP's step is what the tuning
-            phase must not show (issue 31).
+            phase must not show.
         prune_ratio: plans the step model predicts slower than this x the starting plan's
             prediction are not measured (its errors were within 4% median, 20% at most).
         confirm_margin: the two fastest plans are measured `measure_iterations` more each when

@@ -12,10 +12,11 @@ from pyreducer.tuning.linkmodel import (LinkModel, probe_contention_steps, probe
 
 # The probe's all-reduce sizes and repetitions. probe_link's own (5 of each up to 16 MiB, each
 # warmed up) and the contention probe took ~1.7 s at 1 Gbit/s in one step, +35% on a 12-step
-# window of the bench models (issue 31). Up to 4 MiB only, the fitted bandwidth was 1.6 Gbit/s
-# on the emulated 1 Gbit/s link (tc's burst), so 16 MiB stays, once; the pieces (PIECE_BYTES
-# moved, or one contention sample) cost 0.05-0.16 s each there (with 8 MiB pieces the window
-# holding the first three read 1.07-1.09 of torch DDP on mlp_large, issue 31's limit 1.10).
+# window of the bench models (benchmarks/results/tuning_phase_20261128.md). Up to 4 MiB only, the
+# fitted bandwidth was 1.6 Gbit/s on the emulated 1 Gbit/s link (tc's burst), so 16 MiB stays, once;
+# the pieces (PIECE_BYTES moved, or one contention sample) cost 0.05-0.16 s each there (with 8 MiB
+# pieces the window holding the first three read 1.07-1.09 of torch DDP on mlp_large, over the 1.10
+# aimed at).
 PROBE_REPS = {1 << 12: 3, 1 << 18: 3, 1 << 20: 2, 1 << 22: 2, 1 << 24: 1}  # size: repetitions
 PIECE_BYTES = 2 << 20
 CONTENTION_REPS = 2

@@ -21,17 +21,28 @@ from pyreducer.wrapper.sync import barrier, slowest, wait_for_device
 
 @dataclass(frozen=True)
 class LinkModel:
+    """The link of a process group, as the step model sees it: a ring all-reduce of `bytes`
+    over N ranks takes `latency_s + 2(N-1)/N * bytes / bandwidth_bytes_per_s`.
+
+    Attributes:
+        latency_s: the fixed cost of one all-reduce, in seconds.
+        bandwidth_bytes_per_s: each rank's link rate, in bytes per second.
+        contention: fraction of the rank's compute that a running all-reduce takes away (0:
+            communication is free for compute, as with NCCL or a host with spare cores; see
+            probe_contention).
+        queue_s: how long an all-reduce that starts while another is streaming waits behind
+            the bytes that one has queued for the wire first (Gloo's concurrent all-reduces
+            share one TCP connection per peer): up to the socket buffers' depth; 0 where
+            collectives do not share a queue.
+    """
     latency_s: float
     bandwidth_bytes_per_s: float
-    # Fraction of the rank's compute that a running all-reduce takes away (0: communication is
-    # free for compute, as with NCCL or a host with spare cores; see probe_contention).
     contention: float = 0.0
-    # How long an all-reduce that starts while another is streaming waits behind the bytes that
-    # one has queued for the wire first (Gloo's concurrent all-reduces share one TCP connection
-    # per peer): up to the socket buffers' depth; 0 where collectives do not share a queue.
     queue_s: float = 0.0
 
     def allreduce_s(self, size_bytes: float, ranks: int) -> float:
+        """The predicted time of one all-reduce of `size_bytes` over `ranks` ranks, in seconds
+        (0 for one rank)."""
         if ranks <= 1:
             return 0.0
         return self.latency_s + self.wire_s(size_bytes, ranks)
@@ -122,7 +133,8 @@ def probe_link_steps(group=None, sizes_bytes=(1 << 12, 1 << 18, 1 << 20, 1 << 22
 def probe_contention(link: LinkModel, group=None, reps: int = 3, work_s: float = 0.02,
                      small_ops: int = 16) -> LinkModel:
     """`link` as it behaves beside compute on this host (collective; CPU tensors): returns it
-    with `contention` and a `latency_s` measured under load; see probe_contention_steps."""
+    with `contention` and a `latency_s` measured under load; how: probe_contention_steps in
+    `pyreducer/tuning/linkmodel.py`."""
     return run_steps(probe_contention_steps(link, group, reps, work_s, small_ops))
 
 

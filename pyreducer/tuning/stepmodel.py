@@ -26,6 +26,19 @@ from pyreducer.tuning.linkmodel import LinkModel
 
 @dataclass
 class Profile:
+    """One rank's recorded step, the step model's input (`model.profile()` makes it from the
+    timeline).
+
+    Attributes:
+        ready_ms: per parameter, when its gradient was ready, in ms after backward start.
+        size_bytes: per parameter, its gradient's size in bytes.
+        backward_ms: backward start to the end of autograd's compute.
+        forward_ms: the forward's time, added to every predicted step.
+        optimizer_ms: the optimizer step's time, added to every predicted step.
+        names: per parameter, its name.
+        group_keys: per parameter, its (dtype, device) group; gradients of different groups
+            never share a bucket.
+    """
     ready_ms: list[float]        # per parameter, after backward start
     size_bytes: list[int]        # per parameter
     backward_ms: float           # backward start to the end of autograd's compute
@@ -35,6 +48,7 @@ class Profile:
     group_keys: list[str] = field(default_factory=list)
 
     def ready_order(self) -> list[int]:
+        """Parameter indices in the order their gradients became ready."""
         return sorted(range(len(self.ready_ms)), key=lambda i: (self.ready_ms[i], -i))
 
     @staticmethod
@@ -104,6 +118,9 @@ def _schedule(profile, plan, link, ranks, start_ms=0.0) -> tuple[list[float], fl
 
 
 def predict_step_ms(profile: Profile, plan: list[list[int]], link: LinkModel, ranks: int) -> float:
+    """The step time the model predicts for `plan` (parameter indices per bucket, launch
+    order): forward + max(backward end, last bucket done) + optimizer, in ms, with the
+    contention delays of the module docstring."""
     done, delay_ms = _schedule(profile, plan, link, ranks)
     last = done[-1] if done else 0.0
     backward = profile.backward_ms + delay_ms  # every bucket but the last delays it

@@ -414,7 +414,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool sharded_ = false;       // See Note [Sharded buckets]
   BackendPtr shard_backend_;   // null: reduce-scatters on group_
   std::shared_ptr<RingCollectives> shard_ring_;  // non-null: reduce-scatters in rings
-  BackendPtr sparse_backend_;  // null: sparse buckets on group_ (Note [Sparse gradients beside ...])
+  // null: sparse buckets on group_ (Note [Sparse gradients beside Gloo's race])
+  BackendPtr sparse_backend_;
   ReducerOptions options_;
   int64_t world_size_ = 1;
   std::vector<uint8_t> sparse_;  // per parameter; see Note [Sparse gradients]

@@ -1,7 +1,7 @@
 // Per-iteration, per-rank event times of the Reducer, kept in a bounded ring buffer.
 //
 // Note [Timeline]
-// Every synced iteration records, on the host's monotonic clock in nanoseconds:
+// Every synced iteration records these events, on the host's monotonic clock in nanoseconds:
 //   backward_start  the sink node's backward (the outer backward begins; else the first hook);
 //   grad_ready[i]   parameter i's gradient was taken into its slot;
 //   bucket ready    the bucket's last slot was filled; launch: its all-reduce was issued;

@@ -1,4 +1,4 @@
-"""Which elements of which parameters each rank owns (Note [Shards of a bucket] in
+"""Which elements of which parameters each rank owns (Note [Sharded optimizer state] in
 pyreducer/sharded/__init__.py): a pure function of the bucket plan, the parameters' element
 counts and the world size, the same on every rank.
 """

@@ -7,7 +7,8 @@ parameters in `param_dtype`, with floating-point inputs cast to `param_dtype`; t
 all-reduced (SUM), divided by the world size in `reduce_dtype`, and written into the
 full-precision parameters' `.grad`, so the optimizer steps in full precision.
 
-How pyreducer does it (Note [Mixed precision]): the forward runs the module with each parameter
+Note [Mixed precision]
+pyreducer runs the forward with each parameter of the module
 replaced by a differentiable cast `param.to(param_dtype)` (torch.func.functional_call, tied
 parameters cast once), so autograd itself hands the full-precision parameter the low-precision
 gradient, cast up exactly (every `param_dtype` value is a full-precision value); the Reducer's

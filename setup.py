@@ -12,7 +12,8 @@ Build settings (environment):
     CUDA_HOME         the CUDA toolkit; default: the one whose nvcc is on PATH (its include/
                       folder holding cuda_runtime.h), else /usr/local/cuda
     TORCH_CUDA_ARCH_LIST  GPU architectures, e.g. "9.0"; default: those of the visible GPUs,
-                      else those the installed torch was built for (README "Building for GPUs")
+                      else those the installed torch was built for (docs/pages/getting-started.md,
+                      "Into an existing GPU environment")
 """
 import importlib.util
 import os

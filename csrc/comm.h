@@ -58,7 +58,8 @@ WorkPtr reduce_scatter_sum_async(const BackendPtr& backend, at::Tensor& shard, a
 // travel on `device`, the parameters' (an NCCL group broadcasts device tensors only), and are
 // read back with a blocking copy: on NCCL, wait() only makes the current stream wait. Blocking;
 // on Gloo (or NCCL with TORCH_NCCL_BLOCKING_WAIT=1) bounded by the process group's timeout, on
-// NCCL otherwise by its watchdog (README, "When a peer fails on NCCL"). Python thread.
+// NCCL otherwise by its watchdog (docs/pages/guides/gpus.md, "When a peer fails on NCCL"). Python
+// thread.
 void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values, int64_t root,
                       c10::Device device);
 
@@ -73,7 +74,7 @@ std::vector<int64_t> all_gather_int64s(const ProcessGroupPtr& group,
 // bounded by the process group's timeout, and on failure it throws CollectiveError whose
 // message starts with `what` (e.g. "all-reduce of bucket 3") and names this rank. On NCCL
 // otherwise wait() only makes the current stream wait and returns at once: a failed collective
-// is the watchdog's to report (README, "When a peer fails on NCCL").
+// is the watchdog's to report (docs/pages/guides/gpus.md, "When a peer fails on NCCL").
 void wait_or_throw(const WorkPtr& work, const ProcessGroupPtr& group, const std::string& what);
 
 }  // namespace pyreducer

@@ -92,7 +92,7 @@ def summary_text(timelines: list[list[dict]], compiled: dict | None = None,
     lines += compiled_text(compiled)
     lines += tuning_text(tuning)
     lines += memory_text(timelines)
-    lines.append("definitions: pyreducer/wrapper/timeline.py (and the README)")
+    lines.append("definitions: pyreducer/wrapper/timeline.py (and docs/pages/guides/timeline.md)")
     return "\n".join(lines)
 
 

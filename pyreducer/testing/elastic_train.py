@@ -1,5 +1,5 @@
 """A training script for torchrun across hosts, with the checkpoint-and-resume recipe of the
-README ("Restarts under torchrun"): run it with torchrun on every host,
+docs/pages/guides/many-hosts.md ("Restart with nothing lost"): run it with torchrun on every host,
 
     torchrun --nnodes=4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 \\
         --max-restarts=1 -m pyreducer.testing.elastic_train --out DIR

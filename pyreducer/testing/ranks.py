@@ -178,7 +178,7 @@ def subprocess_env(**extra) -> dict:
 
 
 # torch's Gloo can abort a rank at interpreter exit after its work is done (torch DDP as
-# pyreducer; README "Coming from ..."): the one non-zero exit that is not the run's failure.
+# pyreducer; docs/pages/coming-from.md): the one non-zero exit that is not the run's failure.
 GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 

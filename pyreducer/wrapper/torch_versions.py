@@ -1,7 +1,7 @@
 """What differs between the torch versions pyreducer supports (2.11 through 2.14), in one place.
 
 Each difference is found by feature in the installed torch, not by version number, and pyreducer
-follows the installed torch's DDP (see README "Supported torch versions"):
+follows the installed torch's DDP (docs/pages/getting-started.md, "Supported torch versions"):
   - torch 2.12 added DDP's `batched_grad_copy`; 2.13 added `forward_sync_buffers` and
     deprecated `broadcast_buffers` (default None, a FutureWarning when given). Up to 2.12,
     `broadcast_buffers` defaults to True and nothing warns. pyreducer takes both new arguments

@@ -1,4 +1,5 @@
-"""The GPU kit in one command, for a machine with a GPU and no network (README "The GPU kit").
+"""The GPU kit in one command, for a machine with a GPU and no network (docs/pages/guides/gpus.md,
+"The GPU kit").
 
     python3 tests/gpu/run_kit.py --out DIR           # from the checkout, on the GPU machine
     make gpu-test GPU_PYTHON=python3 GPU_OUT=DIR     # the same

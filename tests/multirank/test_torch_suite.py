@@ -1,6 +1,6 @@
 """torch's own DDP tests (torch/testing/_internal/distributed/distributed_test.py) with pyreducer
 swapped in for DistributedDataParallel, at 2 and 3 Gloo ranks (pyreducer/testing/torch_suite.py
-runs them; README "torch's own DDP tests" lists what runs and what skips, and why).
+runs them; docs/pages/development.md lists what runs and what skips, and why).
 
 Every test of the module that reaches DistributedDataParallel is run; those needing CUDA skip
 themselves, with torch's reason. Every test that runs on the CPU must pass, and the ones known to

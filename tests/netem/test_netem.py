@@ -67,8 +67,8 @@ def test_cleanup_on_failure(tmp_path):
 
 
 def test_the_netem_command_runs_every_rank(tmp_path):
-    """`python -m pyreducer netem -- CMD` as the README gives it: every rank runs CMD on its
-    host (a regression: the command's words once replaced the subcommand's name)."""
+    """`python -m pyreducer netem -- CMD` as docs/pages/guides/many-hosts.md gives it: every rank
+    runs CMD on its host (a regression: the command's words once replaced the subcommand's name)."""
     script = tmp_path / "rank.py"
     script.write_text("import os, pathlib, sys\n"
                       "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text("

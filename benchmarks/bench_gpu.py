@@ -54,6 +54,10 @@ STARTUP_S = {False: 40.0, True: 8.0}  # spawn, import, CUDA and process-group in
 STEP_GUESS_S = {False: {"gpt2": 0.15, "resnet50": 0.10}, True: {"gpt2": 0.05, "resnet50": 0.05}}
 KERNEL_GUESS_S = {False: 20.0, True: 2.0}
 CASE_SETUP_S = {False: 5.0, True: 1.0}  # build both wrappers and their optimizers, check step
+# A group's ranks are killed after 3 x its estimate (a hang must not take the whole budget), but
+# never sooner than this: the first group's estimate is the defaults above, and on a loaded
+# machine spawning and importing alone can take longer than 3 x the rehearsal's 8 s.
+MIN_GROUP_TIMEOUT_S = 120.0
 
 
 def bucket_shapes(shapes, cap_bytes: int, element_bytes: int = 4) -> list:
@@ -359,7 +363,8 @@ def run_group(group, args, budget, report) -> None:
                       warmup=args.warmup, smoke=args.smoke, cuda=not args.smoke, out_dir=out_dir)
         try:
             run_ranks(step_rank, group["world_size"], args=(config,), threads=threads,
-                      timeout_s=min(left_s, 3 * planned_s), pg_timeout_s=max(60.0, left_s),
+                      timeout_s=min(left_s, max(3 * planned_s, MIN_GROUP_TIMEOUT_S)),
+                      pg_timeout_s=max(60.0, left_s),
                       backend=group["backend"], set_device=not args.smoke)
         except Exception as failure:  # noqa: BLE001 - the cases finished before it are kept
             error = f"{type(failure).__name__}: {failure}"

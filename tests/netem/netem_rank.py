@@ -1,6 +1,6 @@
-"""A rank for tests/netem/test_netem.py: rendezvous over the emulated network, time an all-reduce of
-SIZE_MB, train two pyreducer steps, then two with a sharded optimizer (its one-thread Gloo backend
-across the hosts), and (rank 0) write the results as JSON to argv[1]."""
+"""A rank for tests/netem/test_netem.py: rendezvous over the emulated network, time all-reduces of
+SIZE_MB (the fastest of TIMED), train two pyreducer steps, then two with a sharded optimizer (its
+one-thread Gloo backend across the hosts), and (rank 0) write the results as JSON to argv[1]."""
 import json
 import os
 import sys
@@ -18,16 +18,21 @@ from pyreducer import DistributedDataParallel  # noqa: E402
 from pyreducer.testing import models  # noqa: E402
 
 SIZE_MB = 4
+TIMED = 3  # all-reduces timed; the fastest is reported
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     data = torch.ones(SIZE_MB * 2**20 // 4)
     dist.all_reduce(data)  # warm-up (connections)
-    dist.barrier()
-    start = time.perf_counter()
-    dist.all_reduce(data)
-    seconds = time.perf_counter() - start
+    samples = []
+    for _ in range(TIMED):
+        data.fill_(1.0)
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(data)
+        samples.append(time.perf_counter() - start)
+    seconds = min(samples)  # the link's time: a busy machine only adds the scheduler's
     spec = models.spec("mlp")
     model = DistributedDataParallel(spec.build())
     gen = torch.Generator().manual_seed(dist.get_rank())
@@ -49,7 +54,7 @@ if __name__ == "__main__":
     dist.all_gather(sharded, params)
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
-            json.dump(dict(allreduce_s=seconds, sum_ok=bool(data[0].item() == 2 * dist.get_world_size()),
+            json.dump(dict(allreduce_s=seconds, sum_ok=bool(data[0].item() == dist.get_world_size()),
                            grads_equal=all(torch.equal(g, gathered[0]) for g in gathered),
                            sharded_equal=all(torch.equal(p, sharded[0]) for p in sharded),
                            interface=os.environ["GLOO_SOCKET_IFNAME"]), f)

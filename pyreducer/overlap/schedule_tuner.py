@@ -192,13 +192,17 @@ class ScheduleTuner(ScheduleRecall):
         if self.link is None:  # (a second probe, ~1.7 s at 1 Gbit/s, was a slow stretch)
             if self.settle is not None:
                 self.settle()
-            self.link = self.tuning.probe()  # collective: every rank is here at this forward
+            try:
+                self.link = self.tuning.probe()  # collective: every rank is here at this forward
+            except ValueError as error:  # times that do not grow with size (a loaded machine):
+                logger.warning("overlap schedule not planned: link probe unusable: %s", error)
+                self.log.append(dict(event="not planned", reason=f"link probe unusable: {error}"))
+                self._keep_order(plan)  # every rank fits the slowest rank's times: all are here
+                return
         choice = self._plan_or_none() if params.rank == 0 else None
         choice = sync.from_rank0(choice, params.process_group, params.device)
         if choice is None:  # rank 0 could not profile: keep torch DDP's order
-            if self.held_for == plan:  # not the held one
-                self.reducer.set_launch_order(self.held_profiled["order"],
-                                              self.held_profiled["chunks"])
+            self._keep_order(plan)
             return
         self.log.append(dict(event="planned", **choice))
         self.candidates = list(choice["trials"])
@@ -208,6 +212,13 @@ class ScheduleTuner(ScheduleRecall):
             self.trials, self.round = list(range(len(self.candidates))), 0
             self.samples = [[] for _ in self.candidates]
             self._next_trial()
+
+    def _keep_order(self, plan) -> None:
+        """No schedule for `plan`: the order the held iterations were profiled under stays
+        (torch DDP's), not the held one."""
+        if self.held_for == plan:
+            self.reducer.set_launch_order(self.held_profiled["order"],
+                                          self.held_profiled["chunks"])
 
     def _hold(self, plan) -> bool:
         """Starts the held phase, if the compute is to be measured alone (CPU parameters, the

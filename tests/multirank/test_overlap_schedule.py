@@ -152,11 +152,16 @@ def one_rank_eval_worker(rank, world_size):
     forward early: a hang). Parameters against torch DDP doing the same. The evaluation comes
     before a step, never after the last one: there rank 0's tuner, if still tuning, would
     act with no training forward on rank 1 to meet it (as torch DDP's buffer broadcast would
-    at any forward on one rank), and whether it still tunes then depends on the timing."""
+    at any forward on one rank), and whether it still tunes then depends on the timing. The
+    link probe is steady_link's (its pieces still collective): with the real one's fit failing,
+    as it can on a loaded machine, autotune would decide at once and log one line."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+    from pyreducer.testing import steady_link
     from pyreducer import DistributedDataParallel
     from pyreducer.tuning import AutotuneConfig
+
+    steady_link.install()
 
     torch.manual_seed(0)
     base = _model()
@@ -364,6 +369,47 @@ def test_a_failed_plan_after_the_held_iterations_restores_the_profiled_order(ran
         assert r["order"] == list(range(r["count"]))
     # rank 0 profiled every held iteration whose next forward ran (all of them but the last)
     assert results[0]["held_records"] == [schedule_tuner_held()]
+
+
+def unusable_probe_worker(rank, world_size):
+    """The link probe's fit fails (as it can on a loaded machine: times that do not grow with
+    size; every rank fits the slowest rank's times, so every rank fails alike): the schedule
+    tuner says so in its log and keeps torch DDP's order, and training goes on, equal to a
+    plain SGD step on the same data."""
+    from pyreducer import DistributedDataParallel
+    from pyreducer.overlap import schedule_tuner
+    from pyreducer.tuning import control
+
+    def unusable(self):
+        raise ValueError("link fit failed: times do not grow with size (on purpose)")
+
+    control.BucketTuning.probe = unusable
+    torch.manual_seed(0)
+    base = _model()
+    out = {}
+    for name in ("overlap", "plain"):
+        model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        if name == "overlap":
+            opt = model.overlap_optimizer(opt)
+            steps = 2 + opt.tuner.warmup + schedule_tuner.HELD_ITERATIONS + 4
+        _train(model, opt, torch.Generator().manual_seed(rank), steps=steps)
+        if name == "overlap":
+            model.synchronize()
+            out.update(log=opt.schedule_log, decided=opt.tuner.decided,
+                       order=model.reducer.launch_order(), count=len(model.bucket_plan()))
+        out[name] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_an_unusable_link_probe_keeps_torch_ddps_order_and_trains_on(ranks_once):
+    results = ranks_once(unusable_probe_worker, 2, ())
+    for rank, r in enumerate(results):
+        assert [e["event"] for e in r["log"]] == ["not planned"], r["log"]
+        assert "link probe unusable: link fit failed" in r["log"][0]["reason"]
+        assert r["decided"] and r["order"] == list(range(r["count"]))
+        for ours, plain in zip(r["overlap"], r["plain"]):
+            assert torch.equal(ours, plain), f"rank {rank}"
 
 
 def schedule_tuner_held():

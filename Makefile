@@ -4,8 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-# The frameworks pyreducer plugs into (README "Coming from Lightning, Accelerate or the Hugging
-# Face Trainer"), at the versions of pyproject.toml's test extra; their tests take about 5 minutes.
+# The frameworks pyreducer plugs into (docs/pages/coming-from.md), at the versions of pyproject.toml's test extra; their tests take about 5 minutes.
 FRAMEWORKS := lightning==2.6.6 accelerate==1.15.0 transformers==5.24.0
 DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-frameworks
 CMAKE_BUILD := build/cmake
@@ -13,7 +12,8 @@ PYTEST_ARGS ?=
 export MAX_JOBS ?= 2
 
 .PHONY: venv build demo test test-fast test-multirank test-netem cpp-test pytest bench fuzz soak \
-        cuda-build cuda-check gpu-test gpu-rehearsal test-torch-oldest clean
+        cuda-build cuda-check gpu-test gpu-rehearsal test-torch-oldest docs docs-serve docs-figures \
+        docs-screenshots clean
 
 venv: $(DEPS_STAMP)
 
@@ -128,12 +128,44 @@ test-torch-oldest: gpu-rehearsal
 endif
 
 # On the GPU machine (no network; its own interpreter and torch): the GPU kit in one command,
-# report in GPU_OUT (README "The GPU kit"). GPU_KIT_ARGS: e.g. --full, --bench-s 0.
+# report in GPU_OUT (docs/pages/guides/gpus.md, "The GPU kit"). GPU_KIT_ARGS: e.g. --full, --bench-s 0.
 GPU_PYTHON ?= python3
 GPU_OUT ?= run/gpu-kit
 GPU_KIT_ARGS ?=
 gpu-test:
 	$(GPU_PYTHON) tests/gpu/run_kit.py --out $(GPU_OUT) $(GPU_KIT_ARGS)
+
+# The documentation site (docs/): MkDocs, Material for MkDocs and mkdocstrings at the versions of
+# pyproject.toml's docs extra (tests/unit/test_docs.py checks that they agree); ruff formats the
+# API pages' signatures. `make docs` builds it offline into site/, strict: a broken link or
+# anchor, a missing API object or a docstring that does not render fails the build.
+DOCS_PACKAGES := mkdocs==1.6.1 mkdocs-material==9.8.2 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11 \
+    ruff==0.17.6
+DOCS_STAMP := $(VENV)/.docs-$(shell echo '$(DOCS_PACKAGES)' | cksum | cut -d' ' -f1)
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs
+
+$(DOCS_STAMP): $(DEPS_STAMP)
+	$(VPY) -m pip install --quiet --disable-pip-version-check $(DOCS_PACKAGES)
+	touch $@
+
+docs: build $(DOCS_STAMP)
+	$(MKDOCS) build --strict --quiet -f docs/mkdocs.yml
+	@echo "docs: built into site/ (open site/index.html, or make docs-serve)"
+
+docs-serve: build $(DOCS_STAMP)
+	$(MKDOCS) serve -f docs/mkdocs.yml
+
+# The pages' pictures of a real run (docs/figures.py: 2 emulated 1 Gbit/s hosts; root and
+# iproute2 needed, about 2 minutes); commit what it writes into docs/pages/img/.
+docs-figures: build
+	$(VPY) docs/figures.py
+
+# The built site as a reader sees it: screenshots by headless Chromium, driven by Selenium
+# (docs/screenshots.py; Debian's chromium and chromium-driver needed) into SCREENSHOTS_OUT.
+SCREENSHOTS_OUT ?= run/docs-screenshots
+docs-screenshots: docs
+	$(VPY) -m pip install --quiet --disable-pip-version-check selenium==4.51.0
+	$(VPY) docs/screenshots.py --site site --out $(SCREENSHOTS_OUT)
 
 bench: build
 	$(VPY) benchmarks/bench_ddp.py --json benchmarks/results/latest.json
@@ -154,4 +186,4 @@ fuzz: build
 	$(VPY) -m pyreducer fuzz --cases $(FUZZ_CASES) --seed $(FUZZ_SEED) --json fuzz.json
 
 clean:
-	rm -rf build pyreducer/_C*.so
+	rm -rf build site pyreducer/_C*.so

@@ -1,5 +1,6 @@
-"""README "Coming from ...": every "after" script runs as printed, under torchrun with 2 Gloo
-ranks on CPU, and every rank ends with the same parameters. The framework scripts (Lightning,
+"""Every whole script of the README and the documentation (`<!-- snippet: NAME -->`, among them
+the "Coming from" page's "after" scripts) runs as printed, under torchrun with 2 Gloo ranks on
+CPU, and every rank ends with the same parameters. The framework scripts (Lightning,
 Accelerate, the HF Trainer) are skipped where their package is not installed."""
 import glob
 import os
@@ -10,25 +11,18 @@ import sys
 import pytest
 
 from pyreducer.testing import subprocess_env
+from pyreducer.testing.docs_code import snippets
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-    __file__)))), "README.md")
-NAMES = ["torch-ddp", "apex", "average-gradients", "data-parallel", "encoding", "lightning",
-         "accelerate", "hf-trainer"]
+COMING_FROM = ["torch-ddp", "apex", "average-gradients", "data-parallel", "encoding", "lightning",
+               "accelerate", "hf-trainer"]
 NEEDS = {"lightning": "lightning.pytorch", "accelerate": "accelerate", "hf-trainer": "transformers"}
 
 
-def snippets() -> dict[str, str]:
-    """{name: code} of the README's code blocks marked `<!-- snippet: name -->`."""
-    text = open(README).read()
-    return dict(re.findall(r"<!-- snippet: ([\w-]+) -->\n```python\n(.*?)```", text, re.S))
+def test_the_docs_have_every_coming_from_script():
+    assert set(COMING_FROM) <= set(snippets()), sorted(snippets())
 
 
-def test_the_readme_has_every_snippet():
-    assert sorted(snippets()) == sorted(NAMES)
-
-
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sorted(snippets()))
 def test_snippet_runs_and_ranks_agree(name, tmp_path):
     if name in NEEDS:
         pytest.importorskip(NEEDS[name], reason=f"{NEEDS[name]} is not installed")

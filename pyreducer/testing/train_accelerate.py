@@ -23,6 +23,8 @@ import os
 import torch
 from torch import nn
 
+from pyreducer.wrapper import teardown
+
 
 def _data(samples: int = 1024):
     gen = torch.Generator().manual_seed(0)
@@ -123,6 +125,7 @@ def main(argv=None) -> None:
                         params={k: v.detach().clone() for k, v in unwrapped.state_dict().items()}),
                    args.out)
     accelerator.wait_for_everyone()  # all ranks done before Gloo is torn down
+    teardown.settle_gloo_threads_at_exit(torch.distributed.group.WORLD)  # torch DDP's runs too
     # The wrapper goes before the group (as in train_hf_trainer.py: torch DDP's Reducer holding
     # the last reference to the group can hang at exit).
     accelerator.free_memory()

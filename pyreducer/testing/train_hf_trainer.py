@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from pyreducer.wrapper import teardown
+
 VOCAB = 64
 SEQUENCE = 16
 
@@ -81,6 +83,7 @@ def main(argv=None) -> None:
                         params={k: v.detach().clone() for k, v in model.state_dict().items()}),
                    args.out)
     torch.distributed.barrier()  # all ranks done before Gloo is torn down
+    teardown.settle_gloo_threads_at_exit(torch.distributed.group.WORLD)  # torch DDP's runs too
     # The wrapper goes while the group is still registered: torch DDP's Reducer, left holding the
     # last reference to the group, destroys it with the GIL held and can wait forever for a Gloo
     # worker that waits for the GIL (a torch-side resumed run hung so at exit in CI; see Note

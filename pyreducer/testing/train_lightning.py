@@ -20,6 +20,8 @@ import json
 import torch
 from torch import nn
 
+from pyreducer.wrapper import teardown
+
 
 def _module_class(manual: bool, overlap: bool):
     import lightning.pytorch as pl
@@ -118,6 +120,10 @@ def main(argv=None) -> None:
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, deterministic=True, callbacks=callbacks)
     trainer.fit(model, loader, ckpt_path=args.resume)
+    # torch DDP's runs too: torch's Gloo threads can abort the process at exit, after the run
+    # (pyreducer/wrapper/teardown.py; seen in CI on the Lightning oracle's run: exit -6,
+    # "terminate called without an active exception"); pyreducer's wrapper registers this itself
+    teardown.settle_gloo_threads_at_exit(torch.distributed.group.WORLD)
     if args.save:
         trainer.save_checkpoint(args.save)
     if trainer.global_rank == 0:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pyreducer.testing.frameworks import assert_same_run
-from pyreducer.testing.ranks import subprocess_env
+from pyreducer.testing.ranks import GLOO_EXIT_ABORT, subprocess_env
 
 pytest.importorskip("lightning.pytorch", reason="lightning is not installed (pip install .[lightning])")
 
@@ -21,7 +21,12 @@ def _train(tmp_path, name, *args):
     proc = subprocess.run([sys.executable, "-m", "pyreducer.testing.train_lightning",
                            "--out", str(out), *args], cwd=tmp_path, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    # torch's Gloo can abort a process at exit, after its work (pyreducer/wrapper/teardown.py;
+    # the scripts settle for it, and CI still saw it once on the Lightning oracle's run): as
+    # torchrun_module, that alone is not the run's failure once rank 0 wrote its results
+    exited_after_work = out.exists() and GLOO_EXIT_ABORT in proc.stderr
+    assert proc.returncode == 0 or exited_after_work, \
+        f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
     return torch.load(out)
 
 

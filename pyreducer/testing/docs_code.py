@@ -16,8 +16,6 @@ import glob
 import os
 import re
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PAGES = os.path.join(REPO, "docs", "pages")
 _BLOCK = re.compile(r"^```python[^\n]*\n(.*?)^```", re.M | re.S)
 _MARKER = re.compile(r"<!-- (snippet|fragment|not-run)(?:: (.*?))? -->\s*$")
 
@@ -45,14 +43,16 @@ loss_fn = nn.CrossEntropyLoss()
 """
 
 
-def doc_files() -> list[str]:
-    """The README and every documentation page (the benchmark records are not pages here)."""
-    pages = sorted(glob.glob(os.path.join(PAGES, "**", "*.md"), recursive=True))
-    return [os.path.join(REPO, "README.md")] + pages
+def doc_files(repo: str) -> list[str]:
+    """The README and every documentation page of the checkout `repo` (the tests pass theirs:
+    the package they import may be an installed copy); the benchmark records are not pages
+    here."""
+    pages = sorted(glob.glob(os.path.join(repo, "docs", "pages", "**", "*.md"), recursive=True))
+    return [os.path.join(repo, "README.md")] + pages
 
 
-def blocks(path: str) -> list[dict]:
-    """The ```python blocks of one Markdown file: {"file" (relative to the repository), "line",
+def blocks(path: str, repo: str) -> list[dict]:
+    """The ```python blocks of one Markdown file: {"file" (relative to `repo`), "line",
     "kind" ("snippet", "fragment", "not-run" or "unmarked"), "label" (a snippet's name, a
     not-run reason), "code"}."""
     text = open(path, encoding="utf-8").read()
@@ -61,25 +61,25 @@ def blocks(path: str) -> list[dict]:
         line = text.count("\n", 0, match.start()) + 1
         above = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
         marker = _MARKER.search(above)
-        found.append({"file": os.path.relpath(path, REPO), "line": line,
+        found.append({"file": os.path.relpath(path, repo), "line": line,
                       "kind": marker.group(1) if marker else "unmarked",
                       "label": (marker.group(2) or "").strip() if marker else "",
                       "code": match.group(1)})
     return found
 
 
-def all_blocks() -> list[dict]:
-    return [b for path in doc_files() for b in blocks(path)]
+def all_blocks(repo: str) -> list[dict]:
+    return [b for path in doc_files(repo) for b in blocks(path, repo)]
 
 
-def snippets() -> dict[str, str]:
+def snippets(repo: str) -> dict[str, str]:
     """{name: code} of every snippet in the README and the pages."""
-    return {b["label"]: b["code"] for b in all_blocks() if b["kind"] == "snippet"}
+    return {b["label"]: b["code"] for b in all_blocks(repo) if b["kind"] == "snippet"}
 
 
-def fragments_by_page() -> dict[str, list[dict]]:
+def fragments_by_page(repo: str) -> dict[str, list[dict]]:
     pages: dict[str, list[dict]] = {}
-    for b in all_blocks():
+    for b in all_blocks(repo):
         if b["kind"] == "fragment":
             pages.setdefault(b["file"], []).append(b)
     return pages

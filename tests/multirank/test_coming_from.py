@@ -11,11 +11,16 @@ import sys
 import pytest
 
 from pyreducer.testing import subprocess_env
-from pyreducer.testing.docs_code import snippets
+from pyreducer.testing import docs_code
 
 COMING_FROM = ["torch-ddp", "apex", "average-gradients", "data-parallel", "encoding", "lightning",
                "accelerate", "hf-trainer"]
 NEEDS = {"lightning": "lightning.pytorch", "accelerate": "accelerate", "hf-trainer": "transformers"}
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def snippets() -> dict[str, str]:
+    return docs_code.snippets(REPO)
 
 
 def test_the_docs_have_every_coming_from_script():

@@ -2,11 +2,14 @@
 namespace, on 2 spawned Gloo ranks after pyreducer/testing/docs_code.py's prelude (a small model
 `model`, this rank's batches `loader`, `loss_fn`), and the ranks end with the same parameters.
 Whole scripts (`<!-- snippet: NAME -->`) run under torchrun in test_coming_from.py."""
+import os
+
 import pytest
 
 from pyreducer.testing import docs_code, run_ranks
 
-PAGES = docs_code.fragments_by_page()
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PAGES = docs_code.fragments_by_page(REPO)
 
 
 def test_the_pages_have_fragments():

@@ -14,8 +14,9 @@ import pytest
 import pyreducer
 from pyreducer.testing import docs_code
 
-REPO = docs_code.REPO
-PAGES = docs_code.PAGES
+# The checkout's (the imported pyreducer may be an installed copy: make cuda-check)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PAGES = os.path.join(REPO, "docs", "pages")
 README_MAX_CHARS = 10_000
 PICTURE_MAX_BYTES = 200 * 1024
 
@@ -34,7 +35,7 @@ def _page(*parts) -> str:
 
 
 def test_every_python_block_is_run_or_says_why_not():
-    blocks = docs_code.all_blocks()
+    blocks = docs_code.all_blocks(REPO)
     assert len(blocks) > 20  # the scan finds the blocks
     unmarked = [f"{b['file']}:{b['line']}" for b in blocks if b["kind"] == "unmarked"]
     assert not unmarked, f"python blocks with no snippet/fragment/not-run marker: {unmarked}"
@@ -44,7 +45,7 @@ def test_every_python_block_is_run_or_says_why_not():
 
 
 def test_snippet_names_are_unique():
-    names = [b["label"] for b in docs_code.all_blocks() if b["kind"] == "snippet"]
+    names = [b["label"] for b in docs_code.all_blocks(REPO) if b["kind"] == "snippet"]
     assert names and len(names) == len(set(names)), sorted(names)
 
 
@@ -57,7 +58,7 @@ def test_the_readme_is_a_front_door():
         assert f"docs/pages/{page}" in text, f"the README's map does not link {page}"
 
 
-@pytest.mark.parametrize("path", docs_code.doc_files() + [
+@pytest.mark.parametrize("path", docs_code.doc_files(REPO) + [
     os.path.join(REPO, "benchmarks", "results", "README.md")], ids=os.path.basename)
 def test_pages_carry_no_development_history(path):
     text = open(path, encoding="utf-8").read()
@@ -155,7 +156,7 @@ def test_lists_start_after_a_blank_line():
     site's hook instead)."""
     hooks = _hooks()
     glued = []
-    for path in docs_code.doc_files():
+    for path in docs_code.doc_files(REPO):
         text = open(path, encoding="utf-8").read()
         loosened = hooks.loosen_lists(text, nested_indent=4).split("\n")
         for number, (line, fixed) in enumerate(zip(text.split("\n"), loosened), start=1):

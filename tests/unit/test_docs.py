@@ -75,11 +75,25 @@ def _options_table() -> list[tuple[str, str]]:
     return rows
 
 
+# Defaults that follow the installed torch's DDP (pyreducer/wrapper/torch_versions.py): the table
+# gives the newest supported torch's and says what older ones use.
+VERSION_DEFAULTS = {"broadcast_buffers": ("None", "True")}  # torch 2.13+, torch 2.11-2.12
+
+
 def test_the_options_table_is_the_constructor_signature():
     signature = inspect.signature(pyreducer.DistributedDataParallel)
     expected = [(name, "required" if p.default is inspect.Parameter.empty else repr(p.default))
                 for name, p in signature.parameters.items()]
-    assert _options_table() == expected
+    table = _options_table()
+    assert [name for name, _ in table] == [name for name, _ in expected]
+    for (name, documented), (_, default) in zip(table, expected):
+        if name in VERSION_DEFAULTS:
+            newest, older = VERSION_DEFAULTS[name]
+            assert documented == newest and default in (newest, older), (name, default)
+            assert f"the default is `{older}`" in _page("reference", "options.md"), name
+        else:
+            assert documented == default, f"{name}: the table says {documented}, the " \
+                                          f"signature {default}"
 
 
 # How the code reads an environment variable: os.environ.get("X"), os.environ["X"],

@@ -333,7 +333,10 @@ void bind_ring(py::module_& m) {
   const auto RELEASE = py::call_guard<py::gil_scoped_release>();
   py::class_<RingJob, std::shared_ptr<RingJob>>(m, "RingJob")
       .def("wait", &RingJob::wait, RELEASE)
-      .def("is_completed", &RingJob::done, RELEASE);
+      .def("is_completed", &RingJob::done, RELEASE)
+      .def("wait_range", &RingJob::wait_range, py::arg("begin"), py::arg("end"), RELEASE)
+      .def("mark_ready", &RingJob::mark_ready, py::arg("begin"), py::arg("end"), RELEASE)
+      .def("cancel", &RingJob::cancel, py::arg("why"), RELEASE);
   py::class_<RingCollectives, std::shared_ptr<RingCollectives>>(
       m, "RingCollectives", py::release_gil_before_calling_cpp_dtor())
       .def(py::init([](BackendPtr backend, int64_t timeout_ms) {
@@ -342,7 +345,20 @@ void bind_ring(py::module_& m) {
            }),
            py::arg("backend"), py::arg("timeout_ms"))
       .def_readonly_static("max_world_size", &RingCollectives::kMaxWorldSize)
-      .def("all_gather", &RingCollectives::all_gather, py::arg("flat"), py::arg("what"), RELEASE)
+      .def("all_gather",
+           py::overload_cast<at::Tensor, std::string>(&RingCollectives::all_gather),
+           py::arg("flat"), py::arg("what"), RELEASE)
+      .def("all_gather_planned",  // See Note [Gathers in read order]
+           [](RingCollectives& ring, at::Tensor flat, std::vector<int64_t> begins,
+              std::vector<int64_t> ends, std::vector<int64_t> sends,
+              std::vector<int64_t> receives, std::string what) {
+             return ring.all_gather(std::move(flat),
+                                    GatherPlan{std::move(begins), std::move(ends),
+                                               std::move(sends), std::move(receives)},
+                                    std::move(what));
+           },
+           py::arg("flat"), py::arg("begins"), py::arg("ends"), py::arg("sends"),
+           py::arg("receives"), py::arg("what"), RELEASE)
       .def("reduce_scatter",
            [](RingCollectives& ring, at::Tensor flat, at::Tensor shard, std::string what) {
              return ring.reduce_scatter(std::move(flat), std::move(shard), std::move(what));

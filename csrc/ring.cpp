@@ -19,7 +19,6 @@ namespace {
 // link (both directions of one TCP connection busy at once); segments keep it at the link rate.
 constexpr int64_t kSegmentBytes = 256 << 10;
 constexpr int kTagsPerStep = 1 << 14;                // segments of one step (4 GiB at 256 KiB)
-constexpr int kTagsPerJob = kTagsPerStep * RingCollectives::kMaxWorldSize;  // steps of one job
 
 at::Tensor ring_chunk(const at::Tensor& flat, int64_t index, int64_t world) {
   const int64_t n = flat.numel() / world;
@@ -70,7 +69,11 @@ RingCollectives::~RingCollectives() {
 }
 
 std::shared_ptr<RingJob> RingCollectives::enqueue(std::function<void()> body, std::string what) {
-  auto job = std::make_shared<RingJob>();
+  return enqueue(std::make_shared<RingJob>(), std::move(body), std::move(what));
+}
+
+std::shared_ptr<RingJob> RingCollectives::enqueue(std::shared_ptr<RingJob> job,
+                                                  std::function<void()> body, std::string what) {
   job->body_ = std::move(body);
   job->what_ = std::move(what) + " on rank " + std::to_string(rank_) + " of " +
                std::to_string(world_);
@@ -155,9 +158,14 @@ void RingCollectives::exchange(const at::Tensor& out, const at::Tensor& in, int 
   }
 }
 
-void RingCollectives::run_reduce_scatter(const at::Tensor& flat, const at::Tensor& shard) {
+int RingCollectives::next_job_tag() {
   const int base = next_tag_;
   next_tag_ = (next_tag_ + kTagsPerJob) % (1 << 30);
+  return base;
+}
+
+void RingCollectives::run_reduce_scatter(const at::Tensor& flat, const at::Tensor& shard) {
+  const int base = next_job_tag();
   if (world_ == 1) {
     shard.copy_(flat);
     return;
@@ -182,8 +190,7 @@ void RingCollectives::run_reduce_scatter(const at::Tensor& flat, const at::Tenso
 }
 
 void RingCollectives::run_all_gather(const at::Tensor& flat) {
-  const int base = next_tag_;
-  next_tag_ = (next_tag_ + kTagsPerJob) % (1 << 30);
+  const int base = next_job_tag();
   for (int64_t k = 0; k < world_ - 1; ++k) {
     exchange(ring_chunk(flat, modulo(rank_ + k, world_), world_),
              ring_chunk(flat, modulo(rank_ + 1 + k, world_), world_),

@@ -21,9 +21,12 @@
 // reduce-scatter sends, and half what an all-reduce sends. An all-gather is the same ring
 // without the sums, in place. One worker thread runs the jobs in the order they were enqueued,
 // the same on every rank (buckets in launch order, then the all-gathers in the sharded step's
-// order), on a Gloo backend of its own: only its thread sends and receives there, with a tag per
-// job and step. The buffer is not written: the running sums live in chunk-sized buffers (with 2
-// ranks, in the shard itself).
+// order), on a Gloo backend of its own: only its thread sends and receives there (and a planned
+// all-gather's receiver thread, while that job runs), with a tag per job and step. The buffer is
+// not written: the running sums live in chunk-sized buffers (with 2 ranks, in the shard itself).
+// A sharded step's all-gathers follow a plan instead: piece by piece, in the order the next
+// forward reads, each piece waited for on its own (ring_gather.cpp; see
+// Note [Gathers in read order] in pyreducer/sharded/gather_plan.py).
 #pragma once
 
 #include <chrono>
@@ -36,12 +39,23 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "comm.h"
 
 namespace pyreducer {
+
+// A planned all-gather (see Note [Gathers in read order] in pyreducer/sharded/gather_plan.py):
+// the buffer's elements cut into pieces, each inside one rank's chunk, and the order of this
+// rank's messages. Piece p is elements [begins[p], ends[p]) and travels under tag p (of the job).
+struct GatherPlan {
+  std::vector<int64_t> begins;
+  std::vector<int64_t> ends;
+  std::vector<int64_t> sends;     // the pieces this rank sends to rank - 1, in this order
+  std::vector<int64_t> receives;  // the pieces rank + 1 sends to this rank, in its order
+};
 
 // One ring collective: done once its last step finished (or failed).
 class RingJob {
@@ -51,19 +65,49 @@ class RingJob {
   void wait();
   bool done() const;
 
+  // Planned all-gathers (RingCollectives::all_gather with a plan), any thread. Blocks until
+  // every element of [begin, end) outside this rank's chunk has arrived (the whole job, for
+  // an unplanned one); rethrows the job's failure as wait() does.
+  void wait_range(int64_t begin, int64_t end);
+  // This rank's elements in [begin, end) hold their final values: the pieces wholly inside may
+  // be sent. Until a piece of its own is marked, the job waits (at most the timeout) to send it.
+  void mark_ready(int64_t begin, int64_t end);
+  // Nothing more will be marked ready (the caller failed): the job fails without sending the
+  // rest, naming `why` (its peers' receives time out).
+  void cancel(const std::string& why);
+
  private:
   friend class RingCollectives;
+  // A planned all-gather's pieces: where each lies, whether it is here (received, or this
+  // rank's own) and may be sent (received, or own and marked ready). Guarded by mutex_.
+  struct Pieces {
+    std::vector<int64_t> begins, ends;
+    std::vector<int64_t> by_begin;  // the pieces sorted by where they begin
+    std::vector<uint8_t> own, here, sendable;
+    std::string cancelled;          // why, once cancel() was called
+    std::exception_ptr receive_error;
+  };
+  // The pieces overlapping [begin, end) all here. Caller holds mutex_.
+  bool arrived(int64_t begin, int64_t end) const;
+  // The worker's side: blocks until piece p may be sent (at most `timeout`), or throws.
+  void wait_sendable(int64_t p, std::chrono::milliseconds timeout);
+  void set_arrived(int64_t p);
+  void set_receive_error(std::exception_ptr error);
+
   std::function<void()> body_;
   std::string what_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;
   std::exception_ptr error_;
+  std::unique_ptr<Pieces> pieces_;  // planned all-gathers only
 };
 
 class RingCollectives {
  public:
   static constexpr int64_t kMaxWorldSize = 64;  // the message tags' range
+  static constexpr int kTagsPerJob = (1 << 14) * kMaxWorldSize;  // a job's tags: its steps'
+  // segments, or a planned all-gather's pieces
 
 
   // `backend`: a Gloo backend over the group's ranks that nothing else uses (see Note [Ring
@@ -85,17 +129,25 @@ class RingCollectives {
   // Enqueues the all-gather of every rank's chunk of `flat` (rank r's: elements [r n, (r+1) n))
   // into every rank's `flat`, in place. Ordering as reduce_scatter. Any thread.
   std::shared_ptr<RingJob> all_gather(at::Tensor flat, std::string what);
+  // The same, planned: the pieces of `plan` travel in its order (every rank's plan from the
+  // same pieces), each of this rank's own sent once marked ready (RingJob::mark_ready); the
+  // elements outside the pieces are not sent. Any thread. See ring_gather.cpp.
+  std::shared_ptr<RingJob> all_gather(at::Tensor flat, GatherPlan plan, std::string what);
 
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_; }
 
  private:
   std::shared_ptr<RingJob> enqueue(std::function<void()> body, std::string what);
+  std::shared_ptr<RingJob> enqueue(std::shared_ptr<RingJob> job, std::function<void()> body,
+                                   std::string what);
   void run();
   // One step: sends `out` to rank - 1 and receives `in` from rank + 1, both waited for.
   void exchange(const at::Tensor& out, const at::Tensor& in, int tag);
   void run_reduce_scatter(const at::Tensor& flat, const at::Tensor& shard);
   void run_all_gather(const at::Tensor& flat);
+  void run_planned_all_gather(const at::Tensor& flat, const GatherPlan& plan, RingJob& job);
+  int next_job_tag();  // the worker's: the first tag of the next job's range
 
   BackendPtr backend_;
   std::chrono::milliseconds timeout_;

@@ -23,6 +23,7 @@ set(PYREDUCER_CORE_SOURCES
     csrc/reducer_finite.cpp
     csrc/reducer_timeline.cpp
     csrc/ring.cpp
+    csrc/ring_gather.cpp
     csrc/timeline.cpp)
 
 # The Python extension module pyreducer._C: the only pybind11 code.

@@ -9,10 +9,12 @@ and the update of each element on one rank only (ZeRO-2's division of work, on p
   - step() records the update; the next forward's first read of a parameter (or
     synchronize()) runs it for every bucket, first-read buckets first: the bucket's reduction
     waited for, its shard stepped by the optimizer's own class over this rank's pieces
-    (pyreducer/sharded/pieces.py), and its buffer all-gathered in place (each rank contributes
-    its updated 1/N). The all-gathers run while the forward goes on; a parameter's first read
-    waits for its bucket's, then the bucket's parameters are written from the gathered buffer,
-    and the buffer's memory is given back until the next backward (Note [Released bucket
+    (pyreducer/sharded/pieces.py), segment by segment, and its buffer all-gathered in place
+    (each rank contributes its updated 1/N), each segment sent once stepped, in the order the
+    forward reads (Note [Gathers in read order] in pyreducer/sharded/gather_plan.py). The
+    all-gathers run while the forward goes on; a parameter's first read waits for its own
+    elements only, then it is written from the buffer; once a bucket's parameters are all
+    written its buffer's memory is given back until the next backward (Note [Released bucket
     buffers]): through the forward a rank holds 1/N of the gradients (its shards);
   - max_grad_norm: the pieces' squared norms summed over ranks (one all-reduce of one number),
     then torch's clip arithmetic on each piece. Unused parameters (find_unused_parameters):

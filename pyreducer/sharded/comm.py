@@ -47,6 +47,18 @@ class ShardComm:
             return self.backend._allgather_base(output, own)
         return dist.all_gather_into_tensor(output, own, group=self.group, async_op=True)
 
+    def gather_bucket(self, flat: torch.Tensor, own: torch.Tensor, plan) -> "PlannedGather":
+        """Starts bucket `flat`'s all-gather as `plan` (gather_plan.GatherPlan) orders it: in
+        rings, each piece of this rank's own region (`own`) sent once marked ready (Note
+        [Gathers in read order]); elsewhere the whole buffer, launched once every segment is."""
+        if self.ring is not None:
+            job = self.ring.all_gather_planned(flat, list(plan.begins), list(plan.ends),
+                                               list(plan.sends[self.rank]),
+                                               list(plan.receives(self.rank)),
+                                               "all-gather of a bucket's parameters")
+            return PlannedGather(self, job)
+        return WholeGather(self, flat, own, len(plan.segments))
+
     def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> None:
         """SUM all-reduce of `tensor` in place, waited for (bounded by the group's timeout);
         `what` names it in an error."""
@@ -64,3 +76,67 @@ class ShardComm:
         except Exception as error:
             raise RuntimeError(f"pyreducer: the sharded step's {what} failed on rank "
                                f"{self.rank} of {self.world_size}: {error}") from error
+
+
+class PlannedGather:
+    """A bucket's all-gather in rings, piece by piece in read order (csrc/ring.h: a planned
+    RingCollectives.all_gather)."""
+
+    WHAT = "all-gather of a bucket's parameters"
+
+    def __init__(self, comm: ShardComm, job):
+        self.comm, self.job = comm, job
+
+    def ready(self, begin: int, end: int) -> None:
+        """This rank's elements in [begin, end) are stepped: they may go."""
+        self.job.mark_ready(begin, end)
+
+    def wait(self, begin: int, end: int) -> None:
+        """Until elements [begin, end) are here (bounded by the group's timeout)."""
+        self.comm.wait(_Range(self.job, begin, end), self.WHAT)
+
+    def wait_all(self) -> None:
+        self.comm.wait(self.job, self.WHAT)
+
+    def cancel(self, why: str) -> None:
+        """No more segments will be ready (this rank failed): the gather fails, not hangs here."""
+        self.job.cancel(why)
+
+
+class _Range:
+    """Part of a planned gather, waited for as a work is."""
+
+    def __init__(self, job, begin: int, end: int):
+        self.job, self.begin, self.end = job, begin, end
+
+    def wait(self) -> None:
+        self.job.wait_range(self.begin, self.end)
+
+
+class WholeGather:
+    """A bucket's all-gather as one collective of the group (NCCL; Gloo beyond the rings' world
+    sizes, or at world size 1): launched once all of its `segments` are ready, waited for whole."""
+
+    def __init__(self, comm: ShardComm, flat: torch.Tensor, own: torch.Tensor, segments: int):
+        self.comm, self.flat, self.own, self.left = comm, flat, own, segments
+        self.work = None
+
+    def ready(self, begin: int, end: int) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.work = self.comm.all_gather(self.flat, self.own)
+
+    def wait(self, begin: int, end: int) -> None:
+        self.wait_all()
+
+    def wait_all(self) -> None:
+        if self.left > 0:
+            raise RuntimeError(f"pyreducer: the sharded step's all-gather on rank "
+                               f"{self.comm.rank} was waited for with {self.left} segments not "
+                               "stepped")
+        if self.work is not None:
+            work, self.work = self.work, None
+            self.comm.wait(work, PlannedGather.WHAT)
+
+    def cancel(self, why: str) -> None:
+        """Not launched yet: nothing to stop."""

@@ -10,7 +10,7 @@ import torch
 from pyreducer._ext import _C
 from pyreducer.overlap import pending, subset_step
 from pyreducer.overlap.optimizer import OverlapOptimizer
-from pyreducer.sharded import checks, clip, pieces as pieces_module
+from pyreducer.sharded import checks, clip, gather_plan, pieces as pieces_module
 from pyreducer.sharded.comm import ShardComm
 from pyreducer.sharded.layout import Layout
 
@@ -43,6 +43,7 @@ class ShardedOptimizer(OverlapOptimizer):
         self.due = False  # a synced backward's reduced shards wait for step() (or zero_grad())
         self.gathers: dict[int, tuple] = {}  # bucket -> (its parameters' all-gather in flight,
         # its timeline event)
+        self.plans: tuple = (None, {})  # (layout, {bucket: its GatherPlan}), made when first used
         self.inner = self._make_inner()
         self.pieces = pieces_module.Pieces(self.inner, params.tensors)
         self._follow_plan()
@@ -180,7 +181,7 @@ class ShardedOptimizer(OverlapOptimizer):
         .grad is refused, any other read sees the unchanged value."""
         if self.stepped:
             self._run_updates()
-            self._finish(b, reading=param)
+            self._finish_param(b, param)
         elif func == _GRAD_GET:  # (a new method-wrapper at each access: ==, not is)
             raise RuntimeError(
                 f"overlap_optimizer(shard=True): {self.params.names[self.index[id(param)]]}.grad "
@@ -238,7 +239,22 @@ class ShardedOptimizer(OverlapOptimizer):
         finally:
             self.busy = False
 
+    def _plan(self, b: int) -> gather_plan.GatherPlan:
+        """Bucket b's all-gather plan (Note [Gathers in read order]), made once per layout."""
+        layout = self.pieces.layout
+        if self.plans[0] is not layout:
+            self.plans = (layout, {})
+        plans = self.plans[1]
+        if b not in plans:
+            indices = layout.buckets[b]
+            plans[b] = gather_plan.plan_bucket(
+                indices, layout.numels, layout.slot_offsets[b], layout.shard_numel[b],
+                layout.world_size, layout.element_sizes[indices[0]])
+        return plans[b]
+
     def _update_bucket(self, b: int) -> None:
+        """Bucket b's reduction waited for; its shard stepped segment by segment, each segment
+        sent as soon as it is stepped (see Note [Gathers in read order])."""
         event = dict(bucket=b, read_ns=_C.Reducer.now_ns(), reduced_ns=0, updated_ns=0,
                      module=self.running[-1] if self.running else None)
         if self.current is not None:
@@ -249,39 +265,72 @@ class ShardedOptimizer(OverlapOptimizer):
             self.pieces.take_grads([b], self.reducer.shard_buffers(),
                                    set(self.reducer.globally_unused()))
         self.reducer.acquire_bucket_buffer(b)  # (released, if no gradient reached it since)
-        members = self.pieces.load_values(b)
-        subset_step.step_subset(self.inner, members, self.settings)
-        event["updated_ns"] = event["gather_launch_ns"] = _C.Reducer.now_ns()
-        work = self.comm.all_gather(self.pieces.flats[b], self.pieces.own_region(b))
-        self.gathers[b] = (work, event)
+        plan = self._plan(b)
+        gather = self.comm.gather_bucket(self.pieces.flats[b], self.pieces.own_region(b), plan)
+        event["gather_launch_ns"] = _C.Reducer.now_ns()
+        self.gathers[b] = (gather, event)
+        try:
+            for segment in plan.step_order(self.comm.rank):
+                members = self.pieces.load_values(b, set(segment.params))
+                if members:
+                    subset_step.step_subset(self.inner, members, self.settings)
+                gather.ready(segment.begin, segment.end)
+        except BaseException as error:  # its peers' gathers fail by their timeout, not hang
+            gather.cancel(f"the step of bucket {b} raised {type(error).__name__}: {error}")
+            raise
+        event["updated_ns"] = _C.Reducer.now_ns()
 
-    def _finish(self, b: int, reading: torch.Tensor | None = None) -> None:
-        """Bucket b's all-gather waited for, its parameters written, their gradients zeroed as
-        zero_grad() asked, else set to None (no rank holds their average)."""
-        if b not in self.pending:
+    def _finish(self, b: int) -> None:
+        """Every parameter of bucket b still pending written (_finish_param)."""
+        for param in list(self.pending.get(b, ())):
+            self._finish_param(b, param)
+
+    def _finish_param(self, b: int, param: torch.Tensor) -> None:
+        """`param` (bucket b): the gather of its own elements waited for, not the bucket's
+        (Note [Gathers in read order]), its value written from the buffer, its gradient zeroed
+        as zero_grad() asked, else set to None (no rank holds its average). The bucket's last
+        parameter waits for the whole gather and gives the buffer back."""
+        group = self.pending.get(b)
+        if group is None or not any(p is param for p in group):
             return
-        work, event = self.gathers.pop(b, (None, None))
-        if work is not None:
-            self.comm.wait(work, f"all-gather of bucket {b}'s parameters")
-            event["gathered_ns"] = _C.Reducer.now_ns()
-        group = self._release(b)
+        gather, event = self.gathers.get(b, (None, None))
+        i = self.index[id(param)]
+        if gather is not None:
+            _, begin, end = self.pieces.slot(i)
+            gather.wait(begin, end)
+            if not event.get("first_ready_ns"):
+                event["first_ready_ns"] = _C.Reducer.now_ns()
+        self.pending[b] = [p for p in group if p is not param]
+        del self.bucket_of[id(param)]
+        pending.take_off(param)
         self.busy = True
         try:
             with torch.no_grad():
-                self.pieces.write_back(b, self.pieces.flats[b])
+                self.pieces.write_param(i)
         finally:
             self.busy = False
-        if work is not None:  # its memory back until the next backward reaches the bucket
-            self.reducer.release_bucket_buffer(b)  # (Note [Released bucket buffers])
-        unused = set(self.reducer.globally_unused())
-        for p in group:  # no zero_grad() since step(): None, as if it was called
-            set_to_none = self.to_zero.pop(id(p), True)  # (Note [Sharded step])
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
-            elif self.index[id(p)] not in unused:  # its .grad went into the bucket, let go
-                p.grad = torch.zeros_like(p)       # (Note [Sharded gradients]): zeros, as torch
+        set_to_none = self.to_zero.pop(id(param), True)  # no zero_grad() since step(): None,
+        if set_to_none:                                   # as if it was called (Note [Sharded
+            param.grad = None                             # step])
+        elif param.grad is not None:
+            if gather is not None and param.grad.untyped_storage().data_ptr() == \
+                    self.pieces.flats[b].untyped_storage().data_ptr():
+                gather.wait_all()  # a bucket view: the gather may still send from there
+            param.grad.zero_()
+        elif i not in set(self.reducer.globally_unused()):  # its .grad went into the bucket,
+            param.grad = torch.zeros_like(param)  # let go (Note [Sharded gradients]): zeros
+        if not self.pending[b]:
+            self._bucket_done(b)
+
+    def _bucket_done(self, b: int) -> None:
+        """Bucket b's parameters all written: its gather waited for whole, its buffer given back
+        until the next backward reaches the bucket (Note [Released bucket buffers])."""
+        del self.pending[b]
+        gather, event = self.gathers.pop(b, (None, None))
+        if gather is not None:
+            gather.wait_all()
+            event["gathered_ns"] = _C.Reducer.now_ns()
+            self.reducer.release_bucket_buffer(b)
         if not self.pending:
             self.stepped = False
             if self.current is not None:  # what the forward holds (Note [Released bucket buffers])

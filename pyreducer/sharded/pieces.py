@@ -29,6 +29,7 @@ class Pieces:
         self.groups_seen: list[list[int]] | None = None
         self._last_groups: list[dict] = []
         self._owners = None  # (layout, owners()) once asked
+        self._slots = None  # (layout, {parameter: slot()}) once asked
         self.held: list | None = None  # per piece, its state, while let_go() holds it
 
     # -- layout ----------------------------------------------------------------------------------
@@ -142,13 +143,13 @@ class Pieces:
             else:
                 tensor.grad = shards[piece.bucket].narrow(0, piece.shard_offset, piece.numel)
 
-    def load_values(self, b: int) -> set[int]:
-        """Bucket b's pieces take their parameters' current values; returns the ids of those
-        the inner optimizer steps."""
+    def load_values(self, b: int, params=None) -> set[int]:
+        """Bucket b's pieces (of `params` only, a set of parameter indices, if given) take
+        their parameters' current values; returns the ids of those the inner optimizer steps."""
         members = set()
         stepped = {id(t) for g in self.inner.param_groups for t in g["params"]}
         for piece, tensor in zip(self.layout.pieces, self.tensors):
-            if piece.bucket == b:
+            if piece.bucket == b and (params is None or piece.param in params):
                 tensor.copy_(flat_view(self.params[piece.param])[piece.start:piece.stop])
                 if id(tensor) in stepped:
                     members.add(id(tensor))
@@ -171,6 +172,22 @@ class Pieces:
         for i, offset in zip(layout.buckets[b], layout.slot_offsets[b]):
             param = self.params[i]
             flat_view(param).copy_(flat[offset:offset + param.numel()])
+
+    def slot(self, i: int) -> tuple[int, int, int]:
+        """Parameter i's slot: (bucket, first element, end) in the bucket's buffer."""
+        if self._slots is None or self._slots[0] is not self.layout:
+            slots = {}
+            for b, (indices, offsets) in enumerate(zip(self.layout.buckets,
+                                                       self.layout.slot_offsets)):
+                for index, offset in zip(indices, offsets):
+                    slots[index] = (b, offset, offset + self.layout.numels[index])
+            self._slots = (self.layout, slots)
+        return self._slots[1][i]
+
+    def write_param(self, i: int) -> None:
+        """Parameter i takes its gathered value from its bucket's buffer."""
+        b, begin, end = self.slot(i)
+        flat_view(self.params[i]).copy_(self.flats[b][begin:end])
 
     # -- state -----------------------------------------------------------------------------------
     def state_bytes(self) -> int:

@@ -48,6 +48,11 @@ CASES = {
     # the module's state_dict() between step() and the next forward (every update runs first)
     "read_after_step": dict(model="mlp", opt="adamw", read_after_step=True,
                             ddp=dict(bucket_cap_mb=0.1)),
+    # the benchmarks' models at torch's default caps: one bucket of most of the model, gathered
+    # in read order in segments and pieces, the small one in the ring's order at 3+ ranks
+    # (Note [Gathers in read order]); tied weights (the transformer's)
+    "transformer_default_caps": dict(model="transformer", opt="adamw"),
+    "mlp_large_default_caps": dict(model="mlp_large", opt="adam"),
 }
 NOT_BITWISE = {"mlp_adamw_fused"}  # see the module's docstring
 RESUMES = {  # checkpoint at step 3, resumed in a new wrapper

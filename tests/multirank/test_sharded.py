@@ -150,9 +150,11 @@ def test_updates_ran_in_the_next_forward(trained, name):
     assert ours["deferred"] and all(n > 0 for n in ours["deferred"]), ours["deferred"]
     if not CASES[name].get("read_after_step"):  # (there the state_dict() ran the updates)
         assert ours["updates_in_forward"] > 0
-    last = ours["last_overlap"]  # the timeline's record: each bucket's all-gather, the memory
-    assert last["updates"] and all(0 < u["gather_launch_ns"] <= u["gathered_ns"]
-                                   for u in last["updates"]), last
+    last = ours["last_overlap"]  # the timeline's record: each bucket's all-gather (launched,
+    # its first read's elements there, all there), the memory
+    assert last["updates"] and all(
+        0 < u["gather_launch_ns"] <= u["first_ready_ns"] <= u["gathered_ns"]
+        for u in last["updates"]), last
     assert last["memory"]["optimizer_state"] == ours["memory"]["optimizer_state"]
 
 

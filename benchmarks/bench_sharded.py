@@ -267,6 +267,11 @@ def run_section(run) -> list[str]:
                 f"{k} {mib(b) if isinstance(b, (int, float)) else b}"
                 for k, b in reported.items()) + "; its optimizer's state tensors measured "
                 f"{measured_mib(ranks[0]['optimizer_state_measured'])}")
+    for v, ranks in run.get("phases_ms", {}).items():
+        lines.append(f"- {v}: where a step's time went (median ms per rank, ranks 0..N-1; "
+                     "sharded_worker.sharded_phases): " + "; ".join(
+                         f"{k.replace('_', ' ')} " + "/".join(f"{r[k]:.0f}" for r in ranks)
+                         for k in ranks[0]))
     if not run["zero_parity_ok"]:
         lines.append(f"- WARNING: zero's parameters differ from ddp_adamw's by "
                      f"{run['parity_max_diff']['zero']:.3g} after the common warm-up")

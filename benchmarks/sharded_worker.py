@@ -10,7 +10,9 @@ on the same data (a generator per variant, seeded alike). Two phases, each its o
   time    all variants in this process: --warmup steps each, then every variant's parameters
           against ddp_adamw's (max |diff|), the rest of each one's warm-up, then blocks of
           --block steps, round-robin (order reversed every block), no barrier inside a block;
-          a block's time is its slowest rank's mean step (all-reduce MAX, as netem_worker)
+          a block's time is its slowest rank's mean step (all-reduce MAX, as netem_worker);
+          for the sharded variants also where each step's time went, from the timeline
+          (sharded_phases: reduce-scatter wait, steps, the first-read bucket's gather)
 Rank 0 writes its JSON to --out. A variant whose construction (or first step) raises on any
 rank is left out and reported as unavailable with the error.
 """
@@ -309,21 +311,67 @@ def timed_block(model, spec, opt, batches) -> float:
     return slowest((time.perf_counter() - start) / len(batches)) * 1e3
 
 
-def time_variants(built, opts, spec, batch_size, args, log) -> dict:
-    """Blocks round-robin over the variants, order reversed every block; ms per block."""
+PHASES = ("backward", "forward", "reduce_scatter_wait", "steps", "first_read_ready",
+          "first_bucket_gathered", "forward_after_gathers")
+
+
+def sharded_phases(model, count: int) -> list[dict]:
+    """Where a sharded step's time went, from this rank's timeline (the last `count` synced
+    iterations whose next forward ran), ms: its backward; the next forward, and in it the first
+    read's wait for the first-read bucket's reduce-scatter, the shards' steps (every bucket,
+    reduce-scatter waits between them included), the first-read bucket's all-gather until the
+    first read's elements were there and until all were (from its launch), and the forward
+    after the last bucket was gathered."""
+    out = []
+    for record in model.timeline(count):
+        overlap = record.get("overlap") or {}
+        updates = sorted(overlap.get("updates", ()), key=lambda u: u["read_ns"])
+        if not overlap.get("forward_start_ns") or not updates or \
+                not all(u.get("gathered_ns") for u in updates):
+            continue
+        first = updates[0]
+        ms = lambda a, b: (a - b) / 1e6  # noqa: E731
+        out.append(dict(
+            backward=ms(record["backward_end_ns"], record["backward_start_ns"]),
+            forward=ms(overlap["forward_end_ns"], overlap["forward_start_ns"]),
+            reduce_scatter_wait=ms(first["reduced_ns"], first["read_ns"]),
+            steps=ms(max(u["updated_ns"] for u in updates), first["reduced_ns"]),
+            first_read_ready=ms(first.get("first_ready_ns") or first["gathered_ns"],
+                                first["gather_launch_ns"]),
+            first_bucket_gathered=ms(first["gathered_ns"], first["gather_launch_ns"]),
+            forward_after_gathers=ms(overlap["forward_end_ns"],
+                                     max(u["gathered_ns"] for u in updates))))
+    return out
+
+
+def time_variants(built, opts, spec, batch_size, args, log) -> tuple[dict, dict]:
+    """Blocks round-robin over the variants, order reversed every block; ms per block, and
+    the sharded variants' phases (sharded_phases) per step."""
     names = list(built)
     gens = {v: torch.Generator().manual_seed(1000 + dist.get_rank()) for v in names}
     times = {v: [] for v in names}
+    phases = {v: [] for v in names if v.startswith("pyreducer_sharded")}
     blocks = max(1, args.steps // args.block)
     for r in range(args.rounds):
         for b in range(blocks):
             for v in names if b % 2 == 0 else names[::-1]:
                 batches = [spec.batch(gens[v], batch_size) for _ in range(args.block)]
                 times[v].append(timed_block(built[v], spec, opts[v], batches))
+                if v in phases:
+                    phases[v] += sharded_phases(built[v], args.block)
         log(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{v} {statistics.median(times[v][-blocks:]):.1f}" for v in names)
             + f" ms (median of {blocks} block(s) of {args.block} steps)")
-    return times
+    return times, phases
+
+
+def phase_medians(phases: dict) -> dict:
+    """{variant: per rank, {phase: median ms}} (collective: every rank's)."""
+    mine = {v: {k: statistics.median(p[k] for p in steps) for k in PHASES}
+            for v, steps in phases.items() if steps}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return {v: [r[v] for r in ranks] for v in mine}
 
 
 def comm_ms(numel: int, reps: int = 3) -> dict:
@@ -357,7 +405,8 @@ def time_phase(variants, base, spec, batch_size, args, log) -> dict:
     log("all gradients' " + ", ".join(f"{k} {v:.1f} ms" for k, v in comm.items()))
     built, opts, unavailable, parity, steps = warm_up(variants, base, spec, batch_size, args, log)
     mark(variant=None)  # timing: a failure now is no one variant's
-    times = time_variants(built, opts, spec, batch_size, args, log) if built else {}
+    times, phases = time_variants(built, opts, spec, batch_size, args, log) if built else ({}, {})
+    phases = phase_medians(phases)
     summary = {v: summarize([t / 1e3 for t in ts]) for v, ts in times.items()}
     ratios = {}
     if REFERENCE in times:
@@ -375,7 +424,7 @@ def time_phase(variants, base, spec, batch_size, args, log) -> dict:
     gc.collect()
     return dict(comm_ms=comm, unavailable=unavailable, parity_max_diff=parity,
                 parity_reference=variants[0], zero_parity_ok=parity_ok, warmup_steps=steps,
-                block_ms=times, step=summary, paired_vs_ddp_adamw=ratios,
+                block_ms=times, step=summary, paired_vs_ddp_adamw=ratios, phases_ms=phases,
                 params=numel, param_mib=numel * 4 / 2**20)
 
 

@@ -334,6 +334,7 @@ void bind_ring(py::module_& m) {
   py::class_<RingJob, std::shared_ptr<RingJob>>(m, "RingJob")
       .def("wait", &RingJob::wait, RELEASE)
       .def("is_completed", &RingJob::done, RELEASE)
+      .def("done_ns", &RingJob::done_ns, RELEASE)
       .def("wait_range", &RingJob::wait_range, py::arg("begin"), py::arg("end"), RELEASE)
       .def("mark_ready", &RingJob::mark_ready, py::arg("begin"), py::arg("end"), RELEASE)
       .def("cancel", &RingJob::cancel, py::arg("why"), RELEASE);

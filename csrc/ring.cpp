@@ -47,6 +47,11 @@ bool RingJob::done() const {
   return done_;
 }
 
+int64_t RingJob::done_ns() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_ns_;
+}
+
 RingCollectives::RingCollectives(BackendPtr backend, std::chrono::milliseconds timeout)
     : backend_(std::move(backend)), timeout_(timeout) {
   rank_ = backend_->getRank();
@@ -134,6 +139,7 @@ void RingCollectives::run() {
     {
       std::lock_guard<std::mutex> lock(job->mutex_);
       job->done_ = true;
+      job->done_ns_ = Timeline::now_ns();
       job->error_ = error;
     }
     job->cv_.notify_all();

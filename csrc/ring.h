@@ -64,6 +64,8 @@ class RingJob {
   // Bounded: each of its steps waits at most the backend's timeout. Any thread.
   void wait();
   bool done() const;
+  // When the job finished (Timeline::now_ns on the worker), 0 before. Any thread.
+  int64_t done_ns() const;
 
   // Planned all-gathers (RingCollectives::all_gather with a plan), any thread. Blocks until
   // every element of [begin, end) outside this rank's chunk has arrived (the whole job, for
@@ -99,6 +101,7 @@ class RingJob {
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;
+  int64_t done_ns_ = 0;
   std::exception_ptr error_;
   std::unique_ptr<Pieces> pieces_;  // planned all-gathers only
 };

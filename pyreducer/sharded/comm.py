@@ -98,6 +98,10 @@ class PlannedGather:
     def wait_all(self) -> None:
         self.comm.wait(self.job, self.WHAT)
 
+    def done_ns(self) -> int:
+        """When the whole gather was there (the timeline's clock), once waited for."""
+        return self.job.done_ns()
+
     def cancel(self, why: str) -> None:
         """No more segments will be ready (this rank failed): the gather fails, not hangs here."""
         self.job.cancel(why)
@@ -119,7 +123,7 @@ class WholeGather:
 
     def __init__(self, comm: ShardComm, flat: torch.Tensor, own: torch.Tensor, segments: int):
         self.comm, self.flat, self.own, self.left = comm, flat, own, segments
-        self.work = None
+        self.work, self.waited_ns = None, 0
 
     def ready(self, begin: int, end: int) -> None:
         self.left -= 1
@@ -137,6 +141,11 @@ class WholeGather:
         if self.work is not None:
             work, self.work = self.work, None
             self.comm.wait(work, PlannedGather.WHAT)
+            self.waited_ns = _C.Reducer.now_ns()
+
+    def done_ns(self) -> int:
+        """When the whole gather was waited for (the timeline's clock)."""
+        return self.waited_ns
 
     def cancel(self, why: str) -> None:
         """Not launched yet: nothing to stop."""

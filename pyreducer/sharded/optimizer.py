@@ -329,7 +329,7 @@ class ShardedOptimizer(OverlapOptimizer):
         gather, event = self.gathers.pop(b, (None, None))
         if gather is not None:
             gather.wait_all()
-            event["gathered_ns"] = _C.Reducer.now_ns()
+            event["gathered_ns"] = gather.done_ns()  # (when it was all there)
             self.reducer.release_bucket_buffer(b)
         if not self.pending:
             self.stepped = False

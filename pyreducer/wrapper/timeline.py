@@ -48,9 +48,9 @@ With an overlapped optimizer (model.overlap_optimizer) a record also has "overla
 the forward that followed its backward ("forward_start_ns", "forward_end_ns") and per bucket its
 update ("bucket", "read_ns", "reduced_ns", "updated_ns", "module": the module whose forward read
 it; pyreducer/overlap/optimizer.py; a sharded optimizer adds "gather_launch_ns", "first_ready_ns"
-and "gathered_ns", its parameters' all-gather launched, the first read's elements there (Note
-[Gathers in read order]) and the whole gather waited for, and per record "memory": this rank's
-bytes by what holds them, ShardedOptimizer.memory_bytes()); then also:
+and "gathered_ns", its parameters' all-gather launched, the first read's elements there and the
+whole gather there, see Note [Gathers in read order], and per record "memory": this rank's bytes
+by what holds them, ShardedOptimizer.memory_bytes()); then also:
 
     hidden_forward_comm_ms  the part of the communication union inside that next forward's
                        compute: its span minus its waits for all-reduces (communication during a

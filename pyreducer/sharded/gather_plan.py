@@ -71,7 +71,7 @@ class GatherPlan:
     segments: in read order (step_order: a rank's); begins, ends: piece p is elements
     [begins[p], ends[p]) of the buffer, inside one rank's shard, and p is its message's tag;
     sends[r]: the pieces rank r sends to rank r - 1, in order; order: "read" or "ring" (whose
-    sends these are); link_numel: the simulated time of the busiest link, in elements;
+    sends these are), or "whole" (segments only); link_numel: the simulated time of the busiest link, in elements;
     shard_numel: each rank's shard (rank r's: elements [r * shard_numel, (r + 1) * ...))."""
     segments: tuple[Segment, ...]
     begins: tuple[int, ...]
@@ -206,16 +206,18 @@ def forward_end(slots, begins, ends, owners, held, finished: int) -> float:
 
 
 def plan_bucket(params: list[int], numels: list[int], offsets: list[int], shard_numel: int,
-                world_size: int, element_size: int) -> GatherPlan:
+                world_size: int, element_size: int, links: bool = True) -> GatherPlan:
     """The all-gather plan of one bucket (Layout's buckets[b], its numels, slot_offsets[b] and
-    shard_numel[b]): see Note [Gathers in read order]."""
+    shard_numel[b]): see Note [Gathers in read order]. links=False: its segments only (order
+    "whole": a gather of the whole bucket, comm.WholeGather, has no pieces to order)."""
     segments = segments_of(params, numels, offsets, element_size)
+    if not links or world_size == 1:
+        return GatherPlan(tuple(segments), (), (), ((),) * world_size, "whole", 0, shard_numel)
     per_piece = max(1, min(PIECE_BYTES // element_size,
                            max(MIN_PIECE_BYTES // element_size, shard_numel // PIECES_PER_SHARD)))
     if world_size == 2:  # nothing is forwarded: the largest messages (each costs a little)
         per_piece = max(1, PIECE_BYTES // element_size)
-    pieces = pieces_of(segments, params, numels, offsets, max(1, shard_numel), per_piece) \
-        if world_size > 1 else []
+    pieces = pieces_of(segments, params, numels, offsets, shard_numel, per_piece)
     begins = tuple(b for b, _ in pieces)
     ends = tuple(e for _, e in pieces)
     owners = [b // shard_numel for b in begins]

@@ -249,7 +249,8 @@ class ShardedOptimizer(OverlapOptimizer):
             indices = layout.buckets[b]
             plans[b] = gather_plan.plan_bucket(
                 indices, layout.numels, layout.slot_offsets[b], layout.shard_numel[b],
-                layout.world_size, layout.element_sizes[indices[0]])
+                layout.world_size, layout.element_sizes[indices[0]],
+                links=self.comm.ring is not None)
         return plans[b]
 
     def _update_bucket(self, b: int) -> None:

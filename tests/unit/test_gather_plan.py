@@ -199,3 +199,17 @@ def test_a_rank_steps_first_what_its_link_sends_first(bucket, world_size):
         assert order[:len(firsts)] == firsts
         if world_size == 2:
             assert order[:len(firsts)] == [s for s in plan.segments if s in firsts]
+
+
+def test_a_whole_gather_plans_its_segments_only():
+    """NCCL, Gloo beyond the rings, one rank: the bucket gathered whole (comm.WholeGather) once
+    every segment is stepped: no pieces, no links to simulate (which would take long at many
+    ranks)."""
+    params, numels = TRANSFORMER
+    offsets, used = _offsets(params, numels)
+    for world_size, links in ((1, True), (256, False)):
+        plan = gather_plan.plan_bucket(params, numels, offsets,
+                                       _C.shard_numel(used, world_size, 4), world_size, 4, links)
+        assert plan.order == "whole" and not plan.begins and len(plan.sends) == world_size
+        assert plan.segments == _plan(params, numels, 2)[0].segments
+        assert plan.step_order(0) == list(plan.segments)

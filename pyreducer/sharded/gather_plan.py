@@ -111,6 +111,8 @@ def segments_of(params: list[int], numels: list[int], offsets: list[int], elemen
         run_bytes = (offsets[run[0]] + numels[params[run[0]]] - offsets[run[-1]]) * element_size
         if run_bytes >= segment_bytes or position == 0:
             first, last = run[-1], run[0]
+            if run_bytes < segment_bytes and segments:  # a short rest (the last-read slots):
+                last = params.index(segments.pop().params[-1])  # one with the segment before
             segments.append(Segment(offsets[first], offsets[last] + numels[params[last]],
                                     tuple(params[first:last + 1])))
             run = []

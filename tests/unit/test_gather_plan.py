@@ -44,11 +44,13 @@ SEGMENTS = [
     # more: one segment, read first (parameter 0); then 3
     (([3, 2, 0, 1], [MIB // 4, MIB // 2, MIB, MIB]),
      [(MIB, 2 * MIB + 3 * MIB // 4, (2, 0, 1)), (0, MIB, (3,))]),
-    # tokens (1, 8 MiB) alone; positions (0) with the parameters before it up to 1 MiB
+    # tokens (1, 8 MiB) alone; positions (0) with the parameters before it up to 1 MiB, and the
+    # 512 KiB left at the start (read last) with them, not alone
     (([4, 3, 2, 0, 1], [MIB // 16, 8 * MIB, 64, MIB, MIB // 2]),
-     [(MIB // 2, MIB // 2 + MIB + 64 + MIB // 16, (3, 2, 0)),
-      (MIB // 2 + MIB + 64 + MIB // 16, 9 * MIB + MIB // 2 + 64 + MIB // 16, (1,)),
-      (0, MIB // 2, (4,))]),
+     [(0, MIB // 2 + MIB + 64 + MIB // 16, (4, 3, 2, 0)),
+      (MIB // 2 + MIB + 64 + MIB // 16, 9 * MIB + MIB // 2 + 64 + MIB // 16, (1,))]),
+    # a 4 MiB bucket of a weight and its bias: one segment
+    (([1, 0], [4 * MIB, 4]), [(0, 4 * MIB + 4, (1, 0))]),
     (([0], [10]), [(0, 10, (0,))]),
 ]
 

@@ -3,7 +3,7 @@ variant's ratio to ddp_adamw (its paired median in each run), the median over th
 their range, and where the sharded variants' steps went (sharded_worker.sharded_phases: the
 median over the runs of the slowest rank's median); a plot of the ratios.
 
-    python benchmarks/sharded_runs.py run/r1 run/r2 run/r3 --out run/summary   # summary.md, ratios.png
+    python benchmarks/sharded_runs.py run/r1 run/r2 run/r3 --out run/all  # summary.md, ratios.png
 """
 from __future__ import annotations
 

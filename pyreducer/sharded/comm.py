@@ -49,9 +49,10 @@ class ShardComm:
 
     def gather_bucket(self, flat: torch.Tensor, own: torch.Tensor, plan) -> "PlannedGather":
         """Starts bucket `flat`'s all-gather as `plan` (gather_plan.GatherPlan) orders it: in
-        rings, each piece of this rank's own region (`own`) sent once marked ready (Note
-        [Gathers in read order]); elsewhere the whole buffer, launched once every segment is."""
-        if self.ring is not None:
+        rings, each piece of this rank's own region (`own`) sent once marked ready; with
+        plan.order "whole", the whole buffer, launched once every segment is (see
+        Note [Gathers in read order])."""
+        if self.ring is not None and plan.order != "whole":
             job = self.ring.all_gather_planned(flat, list(plan.begins), list(plan.ends),
                                                list(plan.sends[self.rank]),
                                                list(plan.receives(self.rank)),

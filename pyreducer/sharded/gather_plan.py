@@ -40,8 +40,13 @@ receiver thread takes the receives in the order the upstream link sends them, th
 the sends in order, each once its piece is held): a send waits only for its own piece to be
 stepped (the Python thread steps every segment before any read waits) or for a receive that the
 simulation placed earlier in time, and a receive for a send placed earlier still. Padding (the
-elements after the last slot) is not sent: nothing reads it. The NCCL path and Gloo beyond the
-rings' 64 ranks keep one all-gather of the whole bucket, launched once every segment is stepped
+elements after the last slot) is not sent: nothing reads it.
+Buckets of less than MIN_BUCKET_BYTES are stepped, then gathered whole, as before (one ring
+all-gather; the first read waits for all of it): with 4 MB buckets the pieces' and the
+parameters' own waits cost more than they saved (step time / torch DDP's, 2 hosts, quiet machine,
+same run: transformer 0.921 against 0.894, mlp_large 0.989 against 0.954; record
+benchmarks/results/sharded_gather_20261129.md), and where buckets are that small the forward
+waits for one bucket at a time anyway. So do the NCCL path and Gloo beyond the rings' 64 ranks
 (comm.WholeGather).
 """
 from __future__ import annotations
@@ -53,6 +58,7 @@ SEGMENT_BYTES = 1 << 20    # a segment is stepped, then marked ready, at once
 PIECE_BYTES = 256 << 10    # a message at most (csrc/ring.cpp: kSegmentBytes, the rings' segment)
 MIN_PIECE_BYTES = 64 << 10  # ... and at least, where the shard allows (a message's own cost)
 PIECES_PER_SHARD = 16      # what a shard is cut into, between those bounds
+MIN_BUCKET_BYTES = 8 << 20  # a smaller bucket is gathered whole: see the Note
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +77,8 @@ class GatherPlan:
     segments: in read order (step_order: a rank's); begins, ends: piece p is elements
     [begins[p], ends[p]) of the buffer, inside one rank's shard, and p is its message's tag;
     sends[r]: the pieces rank r sends to rank r - 1, in order; order: "read" or "ring" (whose
-    sends these are), or "whole" (segments only); link_numel: the simulated time of the busiest link, in elements;
+    sends these are), or "whole" (one segment, no pieces); link_numel: the simulated time of
+    the busiest link, in elements;
     shard_numel: each rank's shard (rank r's: elements [r * shard_numel, (r + 1) * ...))."""
     segments: tuple[Segment, ...]
     begins: tuple[int, ...]
@@ -208,13 +215,17 @@ def forward_end(slots, begins, ends, owners, held, finished: int) -> float:
 
 
 def plan_bucket(params: list[int], numels: list[int], offsets: list[int], shard_numel: int,
-                world_size: int, element_size: int, links: bool = True) -> GatherPlan:
+                world_size: int, element_size: int, links: bool = True,
+                min_bytes: int = MIN_BUCKET_BYTES) -> GatherPlan:
     """The all-gather plan of one bucket (Layout's buckets[b], its numels, slot_offsets[b] and
-    shard_numel[b]): see Note [Gathers in read order]. links=False: its segments only (order
-    "whole": a gather of the whole bucket, comm.WholeGather, has no pieces to order)."""
+    shard_numel[b]): see Note [Gathers in read order]. Order "whole" (one segment, no pieces:
+    the bucket stepped, then gathered whole, comm.WholeGather) without links (links=False: no
+    rings), at one rank, and for a bucket of less than `min_bytes`."""
+    used = sum(numels[i] for i in params)
+    if not links or world_size == 1 or used * element_size < min_bytes:
+        whole = Segment(0, used, tuple(params))
+        return GatherPlan((whole,), (), (), ((),) * world_size, "whole", 0, shard_numel)
     segments = segments_of(params, numels, offsets, element_size)
-    if not links or world_size == 1:
-        return GatherPlan(tuple(segments), (), (), ((),) * world_size, "whole", 0, shard_numel)
     per_piece = max(1, min(PIECE_BYTES // element_size,
                            max(MIN_PIECE_BYTES // element_size, shard_numel // PIECES_PER_SHARD)))
     if world_size == 2:  # nothing is forwarded: the largest messages (each costs a little)

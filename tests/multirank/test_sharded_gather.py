@@ -40,7 +40,8 @@ def planned_ring_worker(rank, world_size):
             offsets.append(used)
             used += numels[i]
         shard = _C.shard_numel(used, world_size, 4)
-        plan = gather_plan.plan_bucket(params, numels, offsets, shard, world_size, 4)
+        plan = gather_plan.plan_bucket(params, numels, offsets, shard, world_size, 4,
+                                       min_bytes=0)
         mine = torch.arange(shard, dtype=torch.float32) + 1e6 * (rank + 1)
         mine[max(0, used - rank * shard):] = 0  # the padding
         whole = torch.empty(shard * world_size)
@@ -96,7 +97,7 @@ def cancel_worker(rank, world_size):
     ring = _C.RingCollectives(gloo_race.one_thread_backend(None, "ring-cancel"), 3000)
     params, numels = [1, 0], [MIB, MIB]
     shard = _C.shard_numel(2 * MIB, world_size, 4)
-    plan = gather_plan.plan_bucket(params, numels, [0, MIB], shard, world_size, 4)
+    plan = gather_plan.plan_bucket(params, numels, [0, MIB], shard, world_size, 4, min_bytes=0)
     flat = torch.zeros(shard * world_size)
     job = ring.all_gather_planned(flat, list(plan.begins), list(plan.ends),
                                   list(plan.sends[rank]), list(plan.receives(rank)), "test")

@@ -24,9 +24,10 @@ def _offsets(params, numels):
 
 
 def _plan(params, numels, world_size):
+    """A planned gather, whatever the bucket's size (min_bytes=0)."""
     offsets, used = _offsets(params, numels)
     return gather_plan.plan_bucket(params, numels, offsets, _C.shard_numel(used, world_size, 4),
-                                   world_size, 4), used
+                                   world_size, 4, min_bytes=0), used
 
 
 # A bucket holds the parameters in reverse (the backward's order): the forward reads the end first.
@@ -203,15 +204,21 @@ def test_a_rank_steps_first_what_its_link_sends_first(bucket, world_size):
             assert order[:len(firsts)] == [s for s in plan.segments if s in firsts]
 
 
-def test_a_whole_gather_plans_its_segments_only():
-    """NCCL, Gloo beyond the rings, one rank: the bucket gathered whole (comm.WholeGather) once
-    every segment is stepped: no pieces, no links to simulate (which would take long at many
-    ranks)."""
-    params, numels = TRANSFORMER
+@pytest.mark.parametrize("bucket,world_size,links,expected", [
+    (TRANSFORMER, 1, True, "whole"),     # one rank
+    (TRANSFORMER, 256, False, "whole"),  # no rings (NCCL; Gloo beyond 64 ranks)
+    (([1, 0], [4 * MIB, 4]), 2, True, "whole"),  # 4 MiB: less than MIN_BUCKET_BYTES
+    (([1, 0], [8 * MIB, 4]), 2, True, "read"),  # 8 MiB
+])
+def test_whole_gathers(bucket, world_size, links, expected):
+    """The bucket stepped, then gathered whole (comm.WholeGather): one segment, no pieces, no
+    links simulated (which would take long at many ranks); at MIN_BUCKET_BYTES and more, in
+    read order."""
+    params, numels = bucket
     offsets, used = _offsets(params, numels)
-    for world_size, links in ((1, True), (256, False)):
-        plan = gather_plan.plan_bucket(params, numels, offsets,
-                                       _C.shard_numel(used, world_size, 4), world_size, 4, links)
-        assert plan.order == "whole" and not plan.begins and len(plan.sends) == world_size
-        assert plan.segments == _plan(params, numels, 2)[0].segments
+    plan = gather_plan.plan_bucket(params, numels, offsets, _C.shard_numel(used, world_size, 4),
+                                   world_size, 4, links)
+    assert plan.order == expected and len(plan.sends) == world_size
+    if expected == "whole":
+        assert not plan.begins and plan.segments == (Segment(0, used, tuple(params)),)
         assert plan.step_order(0) == list(plan.segments)

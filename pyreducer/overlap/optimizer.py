@@ -178,8 +178,13 @@ class OverlapOptimizer(torch.optim.Optimizer):
         happen when the next forward reads them (or at synchronize()). Every other parameter
         with a gradient is stepped at once, as torch does: those whose reduction is done (a
         read after backward waited for it, or a backward without sync) and those outside every
-        bucket (ignored by the wrapper, delayed all-reduce, not in the model)."""
-        self._check_step(closure)
+        bucket (ignored by the wrapper, delayed all-reduce, not in the model).
+
+        `closure` (as Lightning steps): run first, with gradients enabled, as torch's
+        optimizers run it; it holds the forward (which applies the previous step's pending
+        updates) and the backward (which leaves this step's reductions in flight), so the
+        step then records as it does without one. Returns the closure's result."""
+        loss = self._run_closure(closure)
         if self.stepped:  # a previous step's updates, if no forward ran since
             self._update_all()
         self._step_hooks(self.optimizer._optimizer_step_pre_hooks)
@@ -190,7 +195,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 self._clip()
             subset_step.math_step(self.optimizer)
             self._step_done()
-            return None
+            return loss
         self.clip_due = self.max_grad_norm is not None
         self.settings = subset_step.Settings(self.optimizer)  # every bucket steps with them
         self.members = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
@@ -203,13 +208,18 @@ class OverlapOptimizer(torch.optim.Optimizer):
             subset_step.step_subset(self.optimizer, {id(p) for p in now}, self.settings)
         self.stepped = True
         self._step_done()
-        return None
+        return loss
 
-    def _check_step(self, closure) -> None:
-        """What step() refuses: a closure, and a step of a replaced overlapped optimizer."""
-        if closure is not None:
-            raise ValueError("overlap_optimizer: step(closure) is not supported (the update is "
-                             "split into buckets run during the next forward)")
+    def _run_closure(self, closure):
+        """step()'s start: a step of a replaced overlapped optimizer refused, then the closure
+        run (with gradients enabled, as torch's optimizers run it); returns its result."""
+        self._check_not_removed()
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def _check_not_removed(self) -> None:
         if self.removed:
             raise RuntimeError("overlap_optimizer: this overlapped optimizer was replaced by "
                                "another (model.overlap_optimizer called again): step that one")
@@ -412,6 +422,41 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.fences.settle(group)
         if not self.pending and self.stepped:
             self.stepped = False
+
+    # -- clipping between backward and step() (the frameworks' loops) ---------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over this optimizer's parameters, bit for bit, on
+        the averaged gradients of the last backward, without taking this step's updates out of
+        the overlap: every reduction is completed now (as `max_grad_norm=` completes them
+        before the first update) and the parameters stay pending. For loops that clip between
+        backward and step() (Lightning's gradient_clip_val, Accelerate's clip_grad_norm_, the
+        HF Trainer's max_grad_norm). Returns the total norm, as torch's."""
+        return self._clip_now(
+            lambda params: torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type))
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """`torch.nn.utils.clip_grad_value_` over this optimizer's parameters, as
+        clip_grad_norm_ does (the reductions completed, the updates still overlapped)."""
+        self._clip_now(lambda params: torch.nn.utils.clip_grad_value_(params, clip_value))
+
+    @torch.no_grad()
+    def _clip_now(self, clip_fn):
+        """`clip_fn(params with a gradient)` on the reduced gradients; after step() (a clip of
+        gradients already used), the pending updates run first, as torch's order has it."""
+        self._check_not_removed()
+        if self.stepped:
+            self.synchronize()
+        busy, self.busy = self.busy, True
+        try:
+            self.reducer.complete_all()
+            self.fences.wait_all()  # gradients written back on other streams
+            params = [p for g in self.optimizer.param_groups for p in g["params"]
+                      if p.grad is not None]
+            result = clip_fn(params)
+            self.fences.fence_clip()
+        finally:
+            self.busy = busy
+        return result
 
     def _clip(self) -> None:
         """clip_grad_norm_ over the optimizer's parameters, once every bucket is reduced (the

@@ -71,7 +71,7 @@ def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
     _, make_batch, loss_fn = _model_fns(case["model"])
     model, opt, scheduler = _build(cls, copy.deepcopy(base), case, ours)
     gen = torch.Generator().manual_seed(1000 + rank)
-    deferred, updates_in_forward, snapshot = [], 0, {}
+    deferred, updates_in_forward, snapshot, returned = [], 0, {}, []
     for step in range(STEPS):
         if step == resume_at:
             saved = _round_trip(dict(
@@ -84,6 +84,25 @@ def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
             opt.load_state_dict(saved["opt"])
             if scheduler:
                 scheduler.load_state_dict(saved["sched"])
+        if case.get("closure"):  # step(closure), as Lightning steps
+            batch = make_batch(gen, 8)
+
+            def closure():
+                loss = loss_fn(model, batch, step, rank)
+                loss.backward()
+                return loss
+
+            returned.append(opt.step(closure).detach().clone())
+            if ours:
+                deferred.append(len(model.reducer.pending_buckets()))
+            if scheduler:
+                scheduler.step()
+            opt.zero_grad(set_to_none=case.get("set_to_none", True))
+            if ours and step > 0:
+                events = opt.events(model.reducer.num_iterations - 1) or {}
+                updates_in_forward += sum(1 for e in events.get("updates", ())
+                                          if e["module"] is not None)
+            continue
         for micro in range(case.get("micro", 1)):
             batch = make_batch(gen, 8)
             if micro < case.get("micro", 1) - 1:
@@ -95,6 +114,14 @@ def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
             deferred.append(len(model.reducer.pending_buckets()))
         if case.get("clip") and not ours:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+        if case.get("method_clip"):  # the optimizer's own clips, as the frameworks' loops clip
+            kind, value = case["method_clip"]
+            if kind == "value":
+                (opt.clip_grad_value_ if ours else lambda v: torch.nn.utils.clip_grad_value_(
+                    model.parameters(), v))(value)
+            else:
+                returned.append((opt.clip_grad_norm_ if ours else lambda v: torch.nn.utils.
+                                 clip_grad_norm_(model.parameters(), v))(value).detach().clone())
         opt.step()
         if scheduler:
             scheduler.step()
@@ -119,6 +146,7 @@ def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
         groups=[{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
         param_groups=state["param_groups"],
         deferred=deferred, updates_in_forward=updates_in_forward, snapshot=snapshot,
+        returned=returned,
         last_overlap=last,
         memory=opt.memory_bytes() if ours else _torch_memory(opt))
 

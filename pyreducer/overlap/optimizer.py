@@ -145,6 +145,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # applied after its update
         self.busy = False  # inside an update: reads pass through
         self.in_forward = False
+        self.backward_in_forward = False  # a synced backward ended inside the running forward
         # What the timeline shows (see events()): per synced iteration, the next forward's span
         # and each bucket's update, on the Reducer's host clock.
         self.history: collections.OrderedDict[int, dict] = collections.OrderedDict()
@@ -294,6 +295,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         parameters wear the pending class until read, stepped or synchronized."""
         self.fences.backward_ended()  # (passes the fences a forward that raised left)
         self.to_zero.clear()  # ... and zeroing due after an update that raised
+        self.backward_in_forward = self.in_forward  # (Note [A backward inside the forward])
         if self.pending:  # a backward with updates still pending cannot happen (the Reducer
             return        # refuses gradients then); be safe against a re-entrant call
         tensors, layout = self.params.tensors, self.reducer.bucket_layout()
@@ -504,9 +506,22 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if self.current is not None and not self.current["forward_start_ns"]:
             self.current["forward_start_ns"] = _C.Reducer.now_ns()
 
+    # Note [A backward inside the forward]
+    # Lightning's manual optimisation runs training_step inside the wrapper's forward, so the
+    # backward (manual_backward) and step() run there too. The updates that backward leaves
+    # pending are the next forward's to apply, as after a backward outside it: the end of this
+    # forward leaves them pending, and the next forward (the next training_step) applies each as
+    # it reads it. What that forward does not read is updated before its own backward by whoever
+    # arms the backward inside the forward (pyreducer.lightning's backward: model.synchronize()),
+    # as the end of a forward updates it otherwise.
+
     def forward_ended(self) -> None:
         """After the wrapper's module ran: what the forward did not read is updated now, before
-        the backward adds into gradients (or the next iteration reads them)."""
+        the backward adds into gradients (or the next iteration reads them); the updates of a
+        backward that ran inside it stay pending (Note [A backward inside the forward])."""
+        if self.backward_in_forward:
+            self.backward_in_forward = False
+            return
         self.synchronize()
         if self.current is not None and not self.current["forward_end_ns"]:
             self.current["forward_end_ns"] = _C.Reducer.now_ns()

@@ -39,6 +39,7 @@ import torch
 
 from pyreducer._ext import _C
 from pyreducer.overlap import pending, subset_step
+from pyreducer.overlap.clipping import Clipping
 from pyreducer.overlap.fences import Fences
 from pyreducer.overlap.schedule_tuner import ScheduleTuner
 from pyreducer.wrapper import arguments
@@ -81,7 +82,7 @@ def _keep_eager() -> None:
         OverlapOptimizer.update_parameter = eager
 
 
-class OverlapOptimizer(torch.optim.Optimizer):
+class OverlapOptimizer(Clipping, torch.optim.Optimizer):
     """A torch optimizer whose updates overlap the next forward (Note [Overlapped step]).
 
     Shares param_groups, state and defaults with the optimizer it wraps (LR schedulers work on
@@ -424,55 +425,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.fences.settle(group)
         if not self.pending and self.stepped:
             self.stepped = False
-
-    # -- clipping between backward and step() (the frameworks' loops) ---------------------------
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_` over this optimizer's parameters, bit for bit, on
-        the averaged gradients of the last backward, without taking this step's updates out of
-        the overlap: every reduction is completed now (as `max_grad_norm=` completes them
-        before the first update) and the parameters stay pending. For loops that clip between
-        backward and step() (Lightning's gradient_clip_val, Accelerate's clip_grad_norm_, the
-        HF Trainer's max_grad_norm). Returns the total norm, as torch's."""
-        return self._clip_now(
-            lambda params: torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type))
-
-    def clip_grad_value_(self, clip_value: float) -> None:
-        """`torch.nn.utils.clip_grad_value_` over this optimizer's parameters, as
-        clip_grad_norm_ does (the reductions completed, the updates still overlapped)."""
-        self._clip_now(lambda params: torch.nn.utils.clip_grad_value_(params, clip_value))
-
-    @torch.no_grad()
-    def _clip_now(self, clip_fn):
-        """`clip_fn(params with a gradient)` on the reduced gradients; after step() (a clip of
-        gradients already used), the pending updates run first, as torch's order has it."""
-        self._check_not_removed()
-        if self.stepped:
-            self.synchronize()
-        busy, self.busy = self.busy, True
-        try:
-            self.reducer.complete_all()
-            self.fences.wait_all()  # gradients written back on other streams
-            params = [p for g in self.optimizer.param_groups for p in g["params"]
-                      if p.grad is not None]
-            result = clip_fn(params)
-            self.fences.fence_clip()
-        finally:
-            self.busy = busy
-        return result
-
-    def _clip(self) -> None:
-        """clip_grad_norm_ over the optimizer's parameters, once every bucket is reduced (the
-        pending ones stay pending for their update: their reads pass through meanwhile)."""
-        busy, self.busy = self.busy, True
-        try:
-            self.reducer.complete_all()
-            self.fences.wait_all()  # gradients written back on other streams
-            params = [p for g in self.optimizer.param_groups for p in g["params"]
-                      if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-            self.fences.fence_clip()
-        finally:
-            self.busy = busy
 
     # -- the wrapper's forward -----------------------------------------------------------------
     @contextlib.contextmanager

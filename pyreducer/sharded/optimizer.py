@@ -163,15 +163,18 @@ class ShardedOptimizer(OverlapOptimizer):
             self.gathers.clear()
 
     # -- clipping between backward and step() (Note [Clipping shards]) --------------------------
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """As OverlapOptimizer.clip_grad_norm_, on the shards (Note [Clipping shards]): bit for
-        bit torch's, collective (every rank calls it). The 2-norm only."""
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        parameters=None) -> torch.Tensor:
+        """As OverlapOptimizer.clip_grad_norm_ (`parameters`: the order of the norms), on the
+        shards (Note [Clipping shards]): bit for bit torch's, collective (every rank calls
+        it). The 2-norm only."""
         if float(norm_type) != 2.0:
             raise ValueError(f"overlap_optimizer(shard=True): clip_grad_norm_ takes the 2-norm "
                              f"(norm_type=2.0) on shards, got norm_type={norm_type!r}; use "
                              "shard=False for another norm")
-        order = self._take_shard_grads("clip_grad_norm_")
-        return clip.clip(self.pieces, order, max_norm, self.comm)
+        order = self._clip_order(parameters, "clip_grad_norm_")
+        self._take_shard_grads("clip_grad_norm_")
+        return clip.clip(self.pieces, [self.index[id(p)] for p in order], max_norm, self.comm)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """As OverlapOptimizer.clip_grad_value_, on this rank's shards (elementwise: each
@@ -183,15 +186,18 @@ class ShardedOptimizer(OverlapOptimizer):
                 if id(tensor) in stepped and tensor.grad is not None:
                     tensor.grad.clamp_(min=-clip_value, max=clip_value)
 
-    def _take_shard_grads(self, what: str) -> list[int]:
+    def _take_shard_grads(self, what: str) -> None:
         """Every reduction completed and the pieces' .grad set to this step's shards, for a clip
-        before step(); returns the optimizer's parameters (indices), in its order."""
+        before step(); once per step: a second clip (clip_grad_value_ then clip_grad_norm_)
+        clips what the first left."""
         self._check_not_removed()
         if self.stepped or not self.due:
             raise RuntimeError(
                 f"overlap_optimizer(shard=True): {what} on rank {self.comm.rank} "
                 f"{'after step()' if self.stepped else 'without reduced gradients'}: expected "
                 "it between a synced backward and step() (the shards it clips exist then)")
+        if self.grads_taken:
+            return
         self.busy = True
         try:
             self._follow_plan()
@@ -201,7 +207,6 @@ class ShardedOptimizer(OverlapOptimizer):
             self.grads_taken = True
         finally:
             self.busy = False
-        return [self.index[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
     def forward_starting(self, tune: bool) -> None:
         if tune and self.due and not self.stepped:

@@ -216,10 +216,8 @@ class OverlapOptimizer(Clipping, torch.optim.Optimizer):
         """step()'s start: a step of a replaced overlapped optimizer refused, then the closure
         run (with gradients enabled, as torch's optimizers run it); returns its result."""
         self._check_not_removed()
-        if closure is None:
-            return None
         with torch.enable_grad():
-            return closure()
+            return None if closure is None else closure()
 
     def _check_not_removed(self) -> None:
         if self.removed:
@@ -459,18 +457,14 @@ class OverlapOptimizer(Clipping, torch.optim.Optimizer):
             self.current["forward_start_ns"] = _C.Reducer.now_ns()
 
     # Note [A backward inside the forward]
-    # Lightning's manual optimisation runs training_step inside the wrapper's forward, so the
-    # backward (manual_backward) and step() run there too. The updates that backward leaves
-    # pending are the next forward's to apply, as after a backward outside it: the end of this
-    # forward leaves them pending, and the next forward (the next training_step) applies each as
-    # it reads it. What that forward does not read is updated before its own backward by whoever
-    # arms the backward inside the forward (pyreducer.lightning's backward: model.synchronize()),
-    # as the end of a forward updates it otherwise.
-
+    # Lightning's manual optimisation runs training_step, its backward and step() included,
+    # inside the wrapper's forward. That backward's updates are the next forward's to apply, as
+    # after a backward outside it: this forward's end leaves them pending. What the next forward
+    # does not read is updated before its backward by whoever arms a backward inside the forward
+    # (pyreducer.lightning's backward: model.synchronize()), as a forward's end updates it.
     def forward_ended(self) -> None:
         """After the wrapper's module ran: what the forward did not read is updated now, before
-        the backward adds into gradients (or the next iteration reads them); the updates of a
-        backward that ran inside it stay pending (Note [A backward inside the forward])."""
+        the backward adds into gradients (Note [A backward inside the forward])."""
         if self.backward_in_forward:
             self.backward_in_forward = False
             return

@@ -102,7 +102,7 @@ def _hook_at_fit_start(hook):
     return HookAtFitStart()
 
 
-def main(argv=None) -> None:
+def _arguments(argv):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--strategy", choices=["torch", "pyreducer", "pyreducer_name"],
                         required=True)
@@ -125,28 +125,36 @@ def main(argv=None) -> None:
     parser.add_argument("--grad-scaler", action="store_true",
                         help="fp16 autocast with a GradScaler (a precision plugin given as such: "
                              "on CPU Lightning turns precision='16-mixed' into bf16)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def _strategy(args, callbacks: list):
+    """The strategy asked for (a comm hook: its argument, or a callback for Lightning's)."""
     import lightning.pytorch as pl
 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     options = json.loads(args.ddp_options)
-    callbacks = []
     if args.fp16_hook and args.strategy == "torch":
         callbacks.append(_hook_at_fit_start(default_hooks.fp16_compress_hook))
     elif args.fp16_hook:
         options["ddp_comm_hook"] = default_hooks.fp16_compress_hook
     if args.strategy == "torch":
-        strategy = pl.strategies.DDPStrategy(process_group_backend="gloo", **options)
-    elif args.strategy == "pyreducer":
-        import pyreducer.lightning
+        return pl.strategies.DDPStrategy(process_group_backend="gloo", **options)
+    import pyreducer.lightning  # (also registers the name)
 
-        strategy = pyreducer.lightning.DDPStrategy(process_group_backend="gloo", **options)
-    else:
-        import pyreducer.lightning  # noqa: F401: registers the name
+    if args.strategy == "pyreducer":
+        return pyreducer.lightning.DDPStrategy(process_group_backend="gloo", **options)
+    return "pyreducer_ddp"
 
-        strategy = "pyreducer_ddp"
+
+def main(argv=None) -> None:
+    args = _arguments(argv)
+
+    import lightning.pytorch as pl
+
+    callbacks = []
+    strategy = _strategy(args, callbacks)
     pl.seed_everything(0, workers=True)
     model = _module_class(args)()
     plugins = []

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-# The frameworks pyreducer plugs into (docs/pages/coming-from.md), at the versions of pyproject.toml's test extra; their tests take about 5 minutes.
+# The frameworks pyreducer plugs into (docs/pages/coming-from.md), at the versions of pyproject.toml's test extra; their tests take about 10 minutes on 2 busy cores.
 FRAMEWORKS := lightning==2.6.6 accelerate==1.15.0 transformers==5.24.0
 DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-frameworks
 CMAKE_BUILD := build/cmake

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-# The frameworks pyreducer plugs into (docs/pages/coming-from.md), at the versions of pyproject.toml's test extra; their tests take about 5 minutes.
+# The frameworks pyreducer plugs into (docs/pages/coming-from.md), at the versions of pyproject.toml's test extra; their tests take about 10 minutes on 2 busy cores.
 FRAMEWORKS := lightning==2.6.6 accelerate==1.15.0 transformers==5.24.0
 DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-frameworks
 CMAKE_BUILD := build/cmake
@@ -69,21 +69,36 @@ VERSION_LAYERS := tests/unit tests/multirank/test_parity.py tests/multirank/test
     tests/multirank/test_overlap.py tests/multirank/test_compiled.py \
     tests/multirank/test_gloo_race.py tests/multirank/test_sharded.py
 
-# The CUDA build, checked without a GPU: a separate venv with torch's CUDA 13.0 build (the newest
-# supported torch), the extension compiled with its CUDA kernels (csrc/cuda) for CUDA_ARCHS by the
-# GPU kit's build step (tests/gpu/run_kit.py --build-only), imported, and VERSION_LAYERS run
-# against it. The kernels are compiled, not run, on a machine without a GPU.
+# The CUDA build, checked without a GPU: a separate venv with the CUDA build of the newest
+# supported torch (2.15.0, CUDA 13.2: what a plain `pip install torch` gets), the extension
+# compiled with its CUDA kernels (csrc/cuda) for CUDA_ARCHS by the GPU kit's build step
+# (tests/gpu/run_kit.py --build-only), imported, and VERSION_LAYERS run against it, with
+# FRAMEWORK_LAYERS and the frameworks at FRAMEWORKS' versions. The kernels are compiled, not run,
+# on a machine without a GPU.
 CUDA_VENV ?= .venv-cuda
-CUDA_TORCH_VERSION ?= 2.14.1
+CUDA_TORCH_VERSION ?= 2.15.0
 CUDA_BUILD := build/cuda
-CUDA_STAMP := $(CUDA_VENV)/.deps-$(CUDA_TORCH_VERSION)
+CUDA_STAMP := $(CUDA_VENV)/.deps-$(CUDA_TORCH_VERSION)-frameworks
 CUDA_ARCHS ?= 8.0;9.0
 NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+# The CI machines cap torch at 2.14.1 in pip's global constraint file
+# (/etc/xdg/pip/constraints.txt); the installs into CUDA_VENV lift it: PIP_CONSTRAINT in the
+# environment replaces the configured file (a --constraint option would add to it). Every install
+# there names torch's version, so that pip cannot replace it.
+CUDA_PIP := PIP_CONSTRAINT=/dev/null $(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check
+# The frameworks' tests (Lightning, Accelerate, the HF Trainer, and the "Coming from" page's
+# scripts for them): what depends on the frameworks' use of torch. 7 to 8.5 minutes on 2 cores with
+# other work beside them, VERSION_LAYERS 5 to 10 (benchmarks/results/torch_versions_20261129.md).
+COMING_FROM_TEST := tests/multirank/test_coming_from.py::test_snippet_runs_and_ranks_agree
+FRAMEWORK_LAYERS := tests/multirank/test_lightning.py tests/multirank/test_accelerate.py \
+    tests/multirank/test_hf_trainer.py "$(COMING_FROM_TEST)[lightning]" \
+    "$(COMING_FROM_TEST)[accelerate]" "$(COMING_FROM_TEST)[hf-trainer]"
 
 $(CUDA_STAMP):
 	$(PYTHON) -m venv $(CUDA_VENV)
-	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check torch==$(CUDA_TORCH_VERSION)
-	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check numpy pytest ninja matplotlib expecttest
+	$(CUDA_PIP) torch==$(CUDA_TORCH_VERSION)
+	$(CUDA_PIP) numpy pytest ninja matplotlib expecttest torch==$(CUDA_TORCH_VERSION)
+	$(CUDA_PIP) $(FRAMEWORKS) torch==$(CUDA_TORCH_VERSION)
 	touch $@
 
 # The oldest supported torch (pyreducer/wrapper/torch_versions.py), as the lent GPU machine has it: a venv
@@ -109,9 +124,11 @@ cuda-build: $(CUDA_STAMP)
 	$(CUDA_VENV)/bin/python tests/gpu/run_kit.py --build-only --arch "$(CUDA_ARCHS)" \
 	    --jobs $(MAX_JOBS) --build-dir $(CUDA_BUILD)
 
+# The frameworks must import: their tests would skip where they are absent.
 cuda-check: cuda-build
+	$(CUDA_VENV)/bin/python -c "import lightning.pytorch, accelerate, transformers"
 	PYTHONPATH=$(abspath $(CUDA_BUILD)/pkg) $(CUDA_VENV)/bin/python -P -m pytest -q \
-	    -p no:cacheprovider $(PYTEST_ARGS) $(VERSION_LAYERS) -k "not 3ranks"
+	    -p no:cacheprovider $(PYTEST_ARGS) $(VERSION_LAYERS) $(FRAMEWORK_LAYERS) -k "not 3ranks"
 
 # What the GPU kit does on the GPU machine, up to its first CUDA call, against torch 2.11 in an
 # existing interpreter: pip offline, the build for sm_90 only, the import, the collection of the

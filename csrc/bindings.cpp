@@ -191,6 +191,7 @@ void bind_options(py::module_& m) {
       .def_readwrite("rebuild_buckets", &ReducerOptions::rebuild_buckets)
       .def_readwrite("rebuild_caps_bytes", &ReducerOptions::rebuild_caps_bytes)
       .def_readwrite("batched_grad_copy", &ReducerOptions::batched_grad_copy)
+      .def_readwrite("lazy_bucket_allocation", &ReducerOptions::lazy_bucket_allocation)
       .def_readwrite("timeline_iterations", &ReducerOptions::timeline_iterations)
       .def_readwrite("sparse_params", &ReducerOptions::sparse_params)
       .def_readwrite("skip_all_reduce_unused_params",

@@ -70,6 +70,26 @@ void acquire_buffer(Bucket& bucket) {
   }
 }
 
+void renew_buffer(Bucket& bucket) {
+  if (bucket.sparse || !bucket.flat.defined()) return;
+  const at::Tensor old = bucket.flat;
+  const c10::Storage& old_storage = old.storage();
+  // Sized as the buffer (the views are made within bounds) but without memory, until released
+  // below as any released buffer.
+  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(size_bytes(old)),
+                       c10::DataPtr(nullptr, old.device()), old_storage.allocator(),
+                       old_storage.resizable());
+  bucket.flat = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), old.key_set(),
+                                                         old.dtype());
+  bucket.flat.unsafeGetTensorImpl()->set_sizes_contiguous(old.sizes());
+  for (size_t k = 0; k < bucket.views.size(); ++k) {
+    const at::Tensor view = bucket.views[k];
+    bucket.views[k] = bucket.flat.as_strided(view.sizes(), view.strides(), bucket.offsets[k]);
+  }
+  bucket.released = false;
+  release_buffer(bucket);
+}
+
 void let_go_of_gradient(at::Tensor& grad) {
   if (grad.defined() && !grad.is_cpu()) {
     grad.record_stream(c10::impl::VirtualGuardImpl(grad.device().type()).getStream(grad.device()));

@@ -100,6 +100,10 @@ int64_t shard_numel(int64_t numel, int64_t shards, int64_t element_size);
 // Both are no-ops where there is nothing to do.
 void release_buffer(Bucket& bucket);
 void acquire_buffer(Bucket& bucket);
+// See Note [Lazy bucket allocation] in reducer.h: gives a dense bucket a new, released buffer
+// (flat and its views remade, with their shapes, over a new storage of the same allocator,
+// without memory), leaving the old one to whatever else holds it; acquire_buffer gives it memory.
+void renew_buffer(Bucket& bucket);
 
 // Drops a gradient copied into its bucket (see Note [Sharded gradients] in reducer.h); off the
 // CPU, first records the current stream on it: the copy enqueued there may not have run yet

@@ -438,6 +438,9 @@ void Reducer::finalize() {
     if (device_timeline_) device_timeline_->end(record_->slot);  // See Note [Device timeline]
   }
   reset_iteration(/*keep_reductions=*/deferred_);
+  if (!deferred_) {  // written back: see Note [Lazy bucket allocation]
+    for (Bucket& bucket : set_.buckets) renew_lazily(bucket);
+  }
   // A failed finite check ends a complete iteration (gradients written back, unused-parameter
   // state reset), so that training can go on after the error, on every rank alike.
   if (!finite_error.empty()) throw std::runtime_error(finite_error);

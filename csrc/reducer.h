@@ -79,6 +79,16 @@
 // no rebinding; the padding is zeroed again, the slots are written before they are read. Not
 // with gradient_as_bucket_view: the .grad tensors are views of the buffer.
 //
+// Note [Lazy bucket allocation]
+// lazy_bucket_allocation (torch DDP's from torch 2.15; pyreducer's on every torch): as in torch
+// DDP, the Reducer holds a dense bucket's memory only while a backward needs it. When a plan is
+// installed and once a bucket is written back (end of backward, or Note [Deferred completion]),
+// it gets a new buffer without memory (renew_buffer in bucket.h); mark_ready gives it memory at
+// its first gradient. The old buffer dies with its last holder: at once, or with
+// gradient_as_bucket_view when its .grad views go (zero_grad(set_to_none=True)); a .grad viewing
+// it is copied into the new buffer and made its view, as any .grad not its slot's view. Not when
+// sharded: the sharded optimizer releases its buckets (Note [Released bucket buffers]).
+//
 // Note [Deferred completion]
 // With deferred completion on (an overlapped optimizer, pyreducer/overlap/optimizer.py),
 // finalize_backward checks and launches as usual but does not wait: the buckets' reductions stay in
@@ -146,6 +156,8 @@ struct ReducerOptions {
   // Copy a bucket's gradients in one fused pass when its last gradient arrives (torch DDP's
   // batched_grad_copy), instead of one copy per gradient as each arrives.
   bool batched_grad_copy = false;
+  // torch DDP's lazy_bucket_allocation: see Note [Lazy bucket allocation].
+  bool lazy_bucket_allocation = false;
   // Iterations kept by the timeline (see Note [Timeline]); 0 = no recording.
   size_t timeline_iterations = 8;
   // Parameters (indices) that produce sparse gradients; see Note [Sparse gradients].
@@ -380,6 +392,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void note_reduced_finite(size_t b);       // after wait_bucket(b), before copy_out_bucket(b)
   std::string check_finite_reduced();      // the error naming parameters and ranks, or ""
   void adopt_grads_into_buckets();
+  // See Note [Lazy bucket allocation]: a new buffer without memory for the bucket
+  // (renew_buffer in bucket.h), if lazy allocation applies and nothing is in flight on it.
+  void renew_lazily(Bucket& bucket);
   void install_plan(const std::vector<std::vector<int64_t>>& plan);  // rebuild or apply_plan
   void reset_iteration(bool keep_reductions = false);  // keep: see Note [Deferred completion]
   void defer_reductions();

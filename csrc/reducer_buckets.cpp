@@ -342,6 +342,7 @@ void Reducer::complete_locked(size_t b) {
   bucket.future.reset();
   bucket.ring_job.reset();
   if (bucket.sparse) bucket.flat = at::Tensor();
+  renew_lazily(bucket);  // written back: see Note [Lazy bucket allocation]
   if (num_awaiting_ == 0) {
     resolve_used_map();  // also when not needed: the next copy into used_map_ must follow it
     last_stats_.comm_end_ns = Timeline::now_ns();
@@ -490,6 +491,7 @@ void Reducer::install_plan(const std::vector<std::vector<int64_t>>& plan) {
   chunks_.assign(set_.buckets.size(), 1);
   plan_history_.push_back(plan);
   adopt_grads_into_buckets();  // see Note [Bucket rebuild]
+  for (Bucket& bucket : set_.buckets) renew_lazily(bucket);  // Note [Lazy bucket allocation]
   rebuild_pending_ = false;    // an explicit plan replaces the pending rebuild
   ready_order_.clear();
 }

@@ -34,6 +34,7 @@ class ZeroedBuckets {
         continue;
       }
       if (!stand_ins) {
+        acquire_buffer(bucket);  // (if released: Note [Lazy bucket allocation])
         bucket.flat.zero_();
         continue;
       }
@@ -204,6 +205,17 @@ bool Reducer::release_bucket_buffer(size_t b) {
   return true;
 }
 
+void Reducer::renew_lazily(Bucket& bucket) {
+  if (!options_.lazy_bucket_allocation || sharded_ || bucket.sparse || bucket.released ||
+      !bucket.flat.defined() || !bucket.works.empty() || bucket.future || bucket.ring_job) {
+    return;
+  }
+  if (!bucket.flat.device().is_cpu()) {  // (as install_plan frees buffers; compiled, not run)
+    for (const c10::Stream& stream : bucket.wait_streams) bucket.flat.record_stream(stream);
+  }
+  renew_buffer(bucket);
+}
+
 void Reducer::acquire_bucket_buffer(size_t b) {
   std::lock_guard<std::mutex> lock(mutex_);
   acquire_buffer(set_.buckets.at(b));
@@ -270,6 +282,7 @@ void Reducer::shadow_backward() {
     throw;
   }
   reset_iteration();
+  for (Bucket& bucket : set_.buckets) renew_lazily(bucket);  // Note [Lazy bucket allocation]
   // As finalize_backward: the order is taken when a training rank's backward would record it.
   if (rebuild_pending_ && !ready_order_complete_ && !static_first_iteration()) {
     ready_order_.clear();

@@ -47,8 +47,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel wrapper: averages gradients across ranks during backward.
 
     Arguments are the installed torch DDP's, in its order, with its meaning and defaults (see
-    `torch.nn.parallel.DistributedDataParallel`); torch 2.13's `batched_grad_copy` and
-    `forward_sync_buffers` also on older torch (`pyreducer/wrapper/torch_versions.py`).
+    `torch.nn.parallel.DistributedDataParallel`); torch 2.12-2.15's `batched_grad_copy`,
+    `forward_sync_buffers` and `lazy_bucket_allocation` also on older torch
+    (`pyreducer/wrapper/torch_versions.py`).
     pyreducer differences: errors name the parameters and ranks involved, always; a backward
     that leaves a parameter without gradient raises at its end instead of at the next forward;
     `mixed_precision` runs on any device (`pyreducer/wrapper/precision.py`).
@@ -88,9 +89,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                  delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
-                 *, bucket_plan=None, timeline_iterations=8,
-                 gradient_predivide_factor=None, reduce_dtype=None,
-                 check_finite=False):
+                 lazy_bucket_allocation=False, *, bucket_plan=None, timeline_iterations=8,
+                 gradient_predivide_factor=None, reduce_dtype=None, check_finite=False):
         super().__init__()
         Joinable.__init__(self)
         # torch DDP's checks, in its order (arguments.py).
@@ -108,6 +108,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.lazy_bucket_allocation = lazy_bucket_allocation
         self.static_graph = static_graph
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.mixed_precision = mixed_precision
@@ -199,6 +200,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._params, self.process_group, self.bucket_caps_bytes, plan, caps_per_bucket,
             find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
+            lazy_bucket_allocation=bool(self.lazy_bucket_allocation),
             skip_all_reduce_unused_params=self.skip_all_reduce_unused_params, **options)
 
     # -- pickling (torch.save, copy.deepcopy), as torch DDP ----------------------------------------
@@ -222,6 +224,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         broadcast across ranks (as torch DDP: unpickling is not collective), and no recording."""
         self.process_group = arguments.default_group()
         super().__setstate__(state)
+        self.__dict__.setdefault("lazy_bucket_allocation", False)  # pickled before it existed
         self._params = self._collect_params()
         self._failures = failures.LostRanks(self.process_group, copy=True)
         self._build_engine()

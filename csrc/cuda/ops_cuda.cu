@@ -1,6 +1,7 @@
 // CUDA kernels for the bucket copy-in/copy-out and the scaled cast (see csrc/ops.h).
 // Lean headers on purpose: ATen + c10/cuda only (nvcc on torch/extension.h takes ~45 s).
-// Compiled with nvcc 13.0 against torch 2.14.1 (CUDA build) by make cuda-check; not run: no GPU
+// Compiled with nvcc 13.0 against torch 2.15.0 (CUDA 13.2 build) by make cuda-check, and against
+// torch 2.11.0 by make gpu-rehearsal; not run: no GPU
 // has run them yet.
 #include <cstdint>
 #include <vector>

@@ -1,5 +1,5 @@
 """Where pyreducer's splitting backend enters torch.compile: the one module that reaches into
-dynamo's objects (version-checked for torch 2.11 to 2.14; torch._dynamo is imported here, only when
+dynamo's objects (version-checked for torch 2.11 to 2.15; torch._dynamo is imported here, only when
 a compiled model is at hand).
 
 A compiled callable holds a frame callback (`CatchErrorsWrapper` around `ConvertFrame`) that holds
@@ -30,7 +30,7 @@ def user_backend(callback):
             "pyreducer: expected torch.compile's frame callback (a CatchErrorsWrapper around a "
             f"ConvertFrame with _clone_with_backend), found {type(callback).__name__} around "
             f"{type(convert).__name__}: this torch's dynamo is not one pyreducer knows "
-            "(torch 2.11 to 2.14 are)")
+            "(torch 2.11 to 2.15 are)")
     return convert._torchdynamo_orig_backend
 
 

@@ -39,6 +39,7 @@ import torch
 
 from pyreducer._ext import _C
 from pyreducer.overlap import pending, subset_step
+from pyreducer.overlap.clipping import Clipping
 from pyreducer.overlap.fences import Fences
 from pyreducer.overlap.schedule_tuner import ScheduleTuner
 from pyreducer.wrapper import arguments
@@ -81,7 +82,7 @@ def _keep_eager() -> None:
         OverlapOptimizer.update_parameter = eager
 
 
-class OverlapOptimizer(torch.optim.Optimizer):
+class OverlapOptimizer(Clipping, torch.optim.Optimizer):
     """A torch optimizer whose updates overlap the next forward (Note [Overlapped step]).
 
     Shares param_groups, state and defaults with the optimizer it wraps (LR schedulers work on
@@ -145,6 +146,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # applied after its update
         self.busy = False  # inside an update: reads pass through
         self.in_forward = False
+        self.backward_in_forward = False  # a synced backward ended inside the running forward
         # What the timeline shows (see events()): per synced iteration, the next forward's span
         # and each bucket's update, on the Reducer's host clock.
         self.history: collections.OrderedDict[int, dict] = collections.OrderedDict()
@@ -178,8 +180,13 @@ class OverlapOptimizer(torch.optim.Optimizer):
         happen when the next forward reads them (or at synchronize()). Every other parameter
         with a gradient is stepped at once, as torch does: those whose reduction is done (a
         read after backward waited for it, or a backward without sync) and those outside every
-        bucket (ignored by the wrapper, delayed all-reduce, not in the model)."""
-        self._check_step(closure)
+        bucket (ignored by the wrapper, delayed all-reduce, not in the model).
+
+        `closure` (as Lightning steps): run first, with gradients enabled, as torch's
+        optimizers run it; it holds the forward (which applies the previous step's pending
+        updates) and the backward (which leaves this step's reductions in flight), so the
+        step then records as it does without one. Returns the closure's result."""
+        loss = self._run_closure(closure)
         if self.stepped:  # a previous step's updates, if no forward ran since
             self._update_all()
         self._step_hooks(self.optimizer._optimizer_step_pre_hooks)
@@ -190,7 +197,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 self._clip()
             subset_step.math_step(self.optimizer)
             self._step_done()
-            return None
+            return loss
         self.clip_due = self.max_grad_norm is not None
         self.settings = subset_step.Settings(self.optimizer)  # every bucket steps with them
         self.members = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
@@ -203,13 +210,16 @@ class OverlapOptimizer(torch.optim.Optimizer):
             subset_step.step_subset(self.optimizer, {id(p) for p in now}, self.settings)
         self.stepped = True
         self._step_done()
-        return None
+        return loss
 
-    def _check_step(self, closure) -> None:
-        """What step() refuses: a closure, and a step of a replaced overlapped optimizer."""
-        if closure is not None:
-            raise ValueError("overlap_optimizer: step(closure) is not supported (the update is "
-                             "split into buckets run during the next forward)")
+    def _run_closure(self, closure):
+        """step()'s start: a step of a replaced overlapped optimizer refused, then the closure
+        run (with gradients enabled, as torch's optimizers run it); returns its result."""
+        self._check_not_removed()
+        with torch.enable_grad():
+            return None if closure is None else closure()
+
+    def _check_not_removed(self) -> None:
         if self.removed:
             raise RuntimeError("overlap_optimizer: this overlapped optimizer was replaced by "
                                "another (model.overlap_optimizer called again): step that one")
@@ -284,6 +294,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         parameters wear the pending class until read, stepped or synchronized."""
         self.fences.backward_ended()  # (passes the fences a forward that raised left)
         self.to_zero.clear()  # ... and zeroing due after an update that raised
+        self.backward_in_forward = self.in_forward  # (Note [A backward inside the forward])
         if self.pending:  # a backward with updates still pending cannot happen (the Reducer
             return        # refuses gradients then); be safe against a re-entrant call
         tensors, layout = self.params.tensors, self.reducer.bucket_layout()
@@ -413,20 +424,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if not self.pending and self.stepped:
             self.stepped = False
 
-    def _clip(self) -> None:
-        """clip_grad_norm_ over the optimizer's parameters, once every bucket is reduced (the
-        pending ones stay pending for their update: their reads pass through meanwhile)."""
-        busy, self.busy = self.busy, True
-        try:
-            self.reducer.complete_all()
-            self.fences.wait_all()  # gradients written back on other streams
-            params = [p for g in self.optimizer.param_groups for p in g["params"]
-                      if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-            self.fences.fence_clip()
-        finally:
-            self.busy = busy
-
     # -- the wrapper's forward -----------------------------------------------------------------
     @contextlib.contextmanager
     def around_forward(self, tune: bool):
@@ -459,9 +456,18 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if self.current is not None and not self.current["forward_start_ns"]:
             self.current["forward_start_ns"] = _C.Reducer.now_ns()
 
+    # Note [A backward inside the forward]
+    # Lightning's manual optimisation runs training_step, its backward and step() included,
+    # inside the wrapper's forward. That backward's updates are the next forward's to apply, as
+    # after a backward outside it: this forward's end leaves them pending. What the next forward
+    # does not read is updated before its backward by whoever arms a backward inside the forward
+    # (pyreducer.lightning's backward: model.synchronize()), as a forward's end updates it.
     def forward_ended(self) -> None:
         """After the wrapper's module ran: what the forward did not read is updated now, before
-        the backward adds into gradients (or the next iteration reads them)."""
+        the backward adds into gradients (Note [A backward inside the forward])."""
+        if self.backward_in_forward:
+            self.backward_in_forward = False
+            return
         self.synchronize()
         if self.current is not None and not self.current["forward_end_ns"]:
             self.current["forward_end_ns"] = _C.Reducer.now_ns()

@@ -25,9 +25,10 @@ import torch
 from pyreducer.sharded import state as state_module
 
 
-def clip(pieces, order: list[int], max_norm: float, comm) -> None:
+def clip(pieces, order: list[int], max_norm: float, comm) -> torch.Tensor:
     """Clips the pieces' gradients as clip_grad_norm_(params in `order`, max_norm) clips the whole
-    gradients. `order`: the optimizer's parameters (indices into pieces.params), in its order."""
+    gradients, and returns its total norm. `order`: the optimizer's parameters (indices into
+    pieces.params), in its order."""
     layout, params = pieces.layout, pieces.params
     device = params[0].device
     held: dict[int, list[torch.Tensor]] = {}  # param -> this rank's pieces of its gradient
@@ -57,7 +58,7 @@ def clip(pieces, order: list[int], max_norm: float, comm) -> None:
     comm.all_reduce_sum(norms, "all-reduce of the gradients' norms (max_grad_norm)")
     listed = [i for i in dict.fromkeys(order) if has_grad[i]]
     if not listed:
-        return
+        return torch.tensor(0.0)  # (torch's, for no gradients)
     groups: dict = {}
     for i in listed:  # torch groups by (device, dtype), in order of first appearance
         groups.setdefault((params[i].device, params[i].dtype), []).append(i)
@@ -67,3 +68,4 @@ def clip(pieces, order: list[int], max_norm: float, comm) -> None:
     for grads in held.values():
         for grad in grads:
             grad.mul_(coefficient.to(grad.device))
+    return total

@@ -41,6 +41,7 @@ class ShardedOptimizer(OverlapOptimizer):
         reducer.set_sharded(True, self.comm.backend, self.comm.ring)
         self.index = {id(p): i for i, p in enumerate(params.tensors)}
         self.due = False  # a synced backward's reduced shards wait for step() (or zero_grad())
+        self.grads_taken = False  # the pieces' .grad already view those shards (a clip took them)
         self.gathers: dict[int, tuple] = {}  # bucket -> (its parameters' all-gather in flight,
         # its timeline event)
         self.plans: tuple = (None, {})  # (layout, {bucket: its GatherPlan}), made when first used
@@ -86,7 +87,7 @@ class ShardedOptimizer(OverlapOptimizer):
         """Records the update of every bucket reduced by the last synced backward: stepped,
         shard by shard, when the next forward first reads a parameter (or now, when nothing
         waits for a read). RuntimeError when no reduced gradients wait for a step."""
-        self._check_step(closure)
+        loss = self._run_closure(closure)
         if self.stepped:  # a previous step's updates, if no forward ran since
             self.synchronize()
         if not self.due:
@@ -102,7 +103,7 @@ class ShardedOptimizer(OverlapOptimizer):
         if not self.pending:  # every parameter was read since the backward: step now
             self.synchronize()
         self._step_done()
-        return None
+        return loss
 
     def zero_grad(self, set_to_none: bool = True, params=None) -> None:
         """As OverlapOptimizer.zero_grad; before step() (a skipped step) the reduced shards are
@@ -159,7 +160,54 @@ class ShardedOptimizer(OverlapOptimizer):
         super()._backward_ended()
         if self.pending:
             self.due = True
+            self.grads_taken = False
             self.gathers.clear()
+
+    # -- clipping between backward and step() (Note [Clipping shards]) --------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        parameters=None) -> torch.Tensor:
+        """As OverlapOptimizer.clip_grad_norm_ (`parameters`: the order of the norms), on the
+        shards (Note [Clipping shards]): bit for bit torch's, collective (every rank calls
+        it). The 2-norm only."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"overlap_optimizer(shard=True): clip_grad_norm_ takes the 2-norm "
+                             f"(norm_type=2.0) on shards, got norm_type={norm_type!r}; use "
+                             "shard=False for another norm")
+        order = self._clip_order(parameters, "clip_grad_norm_")
+        self._take_shard_grads("clip_grad_norm_")
+        return clip.clip(self.pieces, [self.index[id(p)] for p in order], max_norm, self.comm)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """As OverlapOptimizer.clip_grad_value_, on this rank's shards (elementwise: each
+        element clamped where it is stepped, torch's result bit for bit)."""
+        self._take_shard_grads("clip_grad_value_")
+        stepped = {id(t) for g in self.inner.param_groups for t in g["params"]}
+        with torch.no_grad():
+            for tensor in self.pieces.tensors:
+                if id(tensor) in stepped and tensor.grad is not None:
+                    tensor.grad.clamp_(min=-clip_value, max=clip_value)
+
+    def _take_shard_grads(self, what: str) -> None:
+        """Every reduction completed and the pieces' .grad set to this step's shards, for a clip
+        before step(); once per step: a second clip (clip_grad_value_ then clip_grad_norm_)
+        clips what the first left."""
+        self._check_not_removed()
+        if self.stepped or not self.due:
+            raise RuntimeError(
+                f"overlap_optimizer(shard=True): {what} on rank {self.comm.rank} "
+                f"{'after step()' if self.stepped else 'without reduced gradients'}: expected "
+                "it between a synced backward and step() (the shards it clips exist then)")
+        if self.grads_taken:
+            return
+        self.busy = True
+        try:
+            self._follow_plan()
+            self.reducer.complete_all()
+            self.pieces.take_grads(range(len(self.pieces.flats)), self.reducer.shard_buffers(),
+                                   set(self.reducer.globally_unused()))
+            self.grads_taken = True
+        finally:
+            self.busy = False
 
     def forward_starting(self, tune: bool) -> None:
         if tune and self.due and not self.stepped:
@@ -229,8 +277,10 @@ class ShardedOptimizer(OverlapOptimizer):
                 order = sorted(range(len(self.pieces.flats)), reverse=True)
                 if self.max_grad_norm is not None:  # every bucket reduced first
                     self.reducer.complete_all()
-                    self.pieces.take_grads(order, self.reducer.shard_buffers(),
-                                           set(self.reducer.globally_unused()))
+                    if not self.grads_taken:
+                        self.pieces.take_grads(order, self.reducer.shard_buffers(),
+                                               set(self.reducer.globally_unused()))
+                        self.grads_taken = True
                     stepped = [self.index[id(p)] for g in self.optimizer.param_groups
                                for p in g["params"]]
                     clip.clip(self.pieces, stepped, self.max_grad_norm, self.comm)
@@ -262,7 +312,7 @@ class ShardedOptimizer(OverlapOptimizer):
             self.current["updates"].append(event)
         self.reducer.complete_bucket(b)
         event["reduced_ns"] = _C.Reducer.now_ns()
-        if self.max_grad_norm is None:  # (the unused map is resolved for bucket b's parameters)
+        if not self.grads_taken:  # (the unused map is resolved for bucket b's parameters)
             self.pieces.take_grads([b], self.reducer.shard_buffers(),
                                    set(self.reducer.globally_unused()))
         self.reducer.acquire_bucket_buffer(b)  # (released, if no gradient reached it since)

@@ -10,6 +10,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 
 STEPS = 5
@@ -187,6 +188,16 @@ SCENARIOS = {
     "batched_grad_copy_channels_last": dict(model="cnn", opt="sgd", channels_last=True,
                                             ddp=dict(batched_grad_copy=True)),
     "channels_last": dict(model="cnn", opt="adam", channels_last=True),
+    # lazy_bucket_allocation (torch 2.15): buffers given back after backward, with bucket views
+    # after zero_grad(set_to_none=True), with unused parameters marked ready at backward start
+    "lazy_buckets": dict(model="cnn", opt="adam", ddp=dict(lazy_bucket_allocation=True)),
+    "lazy_buckets_views_no_sync": dict(model="mlp", opt="sgd", micro=2, how="no_sync",
+                                       ddp=dict(lazy_bucket_allocation=True, bucket_cap_mb=0.3,
+                                                gradient_as_bucket_view=True)),
+    "lazy_buckets_find_unused_batched": dict(model="branchy", opt="sgd",
+                                             ddp=dict(lazy_bucket_allocation=True,
+                                                      batched_grad_copy=True,
+                                                      find_unused_parameters=True)),
     # mixed dtypes (float32 + float64 + bfloat16) and a frozen layer
     "mixed_dtypes_frozen": dict(model="mixed_dtypes", opt="sgd", ddp=dict(bucket_cap_mb=0.001)),
     # sparse gradients (SGD without momentum: torch's optimizers for sparse gradients)
@@ -211,12 +222,17 @@ SCENARIOS = {
 }
 
 
+# Arguments that change only where gradients are held, never a sum: where the installed torch's
+# DDP lacks one, that DDP without it is the oracle (torch 2.15's lazy_bucket_allocation).
+MEMORY_ONLY = frozenset({"lazy_bucket_allocation"})
+
+
 def oracle_missing(name: str) -> str | None:
     """Why the installed torch's DDP cannot run scenario `name` (an argument of a newer torch,
-    pyreducer/wrapper/torch_versions.py), or None."""
+    pyreducer/wrapper/torch_versions.py, other than MEMORY_ONLY's), or None."""
     from pyreducer.wrapper.torch_versions import DDP_ARGUMENTS
 
-    missing = sorted(set(SCENARIOS[name].get("ddp", {})) - DDP_ARGUMENTS)
+    missing = sorted(set(SCENARIOS[name].get("ddp", {})) - DDP_ARGUMENTS - MEMORY_ONLY)
     return f"torch {torch.__version__}'s DDP has no {', '.join(missing)}: no oracle to compare " \
         "with" if missing else None
 
@@ -255,6 +271,10 @@ def train(cls, base, scenario, rank, device="cpu"):
     module = copy.deepcopy(base).to(device)
     if "ddp_from_module" in scenario:
         kwargs.update(scenario["ddp_from_module"](module))
+    if cls is TorchDDP:  # an older torch's DDP is the oracle without them (MEMORY_ONLY)
+        from pyreducer.wrapper.torch_versions import DDP_ARGUMENTS
+
+        kwargs = {k: v for k, v in kwargs.items() if k in DDP_ARGUMENTS or k not in MEMORY_ONLY}
     model = cls(module, **kwargs)
     opt = _optimizer(scenario["opt"], [p for p in model.parameters() if p.requires_grad])
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -294,8 +314,6 @@ def parity_worker(rank, world_size, names, device_type="cpu"):
     {"torch": state, "ours": state, "buckets": pyreducer's bucket plan, "num_params"}. With
     device_type "cuda", rank r trains on cuda:r, or shares the GPUs with other ranks where there
     are fewer GPUs than ranks (Gloo: cuda:r % GPUs)."""
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
     from pyreducer import DistributedDataParallel
 
     device = torch.device("cuda", rank % torch.cuda.device_count()) if device_type == "cuda" \

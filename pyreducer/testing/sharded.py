@@ -61,6 +61,47 @@ def _round_trip(obj):
     return torch.load(buffer, weights_only=False)
 
 
+def _step(model, opt, case: dict, ours: bool, data, step: int, rank: int, deferred: list) -> list:
+    """Step `step` of `case`: its backward(s) and optimizer step, by step(closure) (as Lightning
+    steps) or after the optimizer's own clip (as the frameworks' loops clip); returns what the
+    closure or the clip returned. Appends the reductions left in flight to `deferred` (ours)."""
+    make_batch, loss_fn, gen = data
+    if case.get("closure"):
+        batch = make_batch(gen, 8)
+
+        def closure():
+            loss = loss_fn(model, batch, step, rank)
+            loss.backward()
+            return loss
+
+        loss = opt.step(closure).detach().clone()
+        if ours:
+            deferred.append(len(model.reducer.pending_buckets()))
+        return [loss]
+    for micro in range(case.get("micro", 1)):
+        batch = make_batch(gen, 8)
+        if micro < case.get("micro", 1) - 1:
+            with model.no_sync():
+                loss_fn(model, batch, step, rank).backward()
+            continue
+        loss_fn(model, batch, step, rank).backward()
+    if ours:
+        deferred.append(len(model.reducer.pending_buckets()))
+    if case.get("clip") and not ours:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+    returned = []
+    if case.get("method_clip"):
+        kind, value = case["method_clip"]
+        if kind == "value":
+            (opt.clip_grad_value_ if ours else lambda v: torch.nn.utils.clip_grad_value_(
+                model.parameters(), v))(value)
+        else:
+            returned.append((opt.clip_grad_norm_ if ours else lambda v: torch.nn.utils.
+                             clip_grad_norm_(model.parameters(), v))(value).detach().clone())
+    opt.step()
+    return returned
+
+
 def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
           resume_from: str = "sharded") -> dict:
     """STEPS steps of `case` with wrapper `cls` (torch's DDP + the plain optimizer, or
@@ -71,7 +112,7 @@ def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
     _, make_batch, loss_fn = _model_fns(case["model"])
     model, opt, scheduler = _build(cls, copy.deepcopy(base), case, ours)
     gen = torch.Generator().manual_seed(1000 + rank)
-    deferred, updates_in_forward, snapshot = [], 0, {}
+    deferred, updates_in_forward, snapshot, returned = [], 0, {}, []
     for step in range(STEPS):
         if step == resume_at:
             saved = _round_trip(dict(
@@ -84,18 +125,8 @@ def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
             opt.load_state_dict(saved["opt"])
             if scheduler:
                 scheduler.load_state_dict(saved["sched"])
-        for micro in range(case.get("micro", 1)):
-            batch = make_batch(gen, 8)
-            if micro < case.get("micro", 1) - 1:
-                with model.no_sync():
-                    loss_fn(model, batch, step, rank).backward()
-                continue
-            loss_fn(model, batch, step, rank).backward()
-        if ours:
-            deferred.append(len(model.reducer.pending_buckets()))
-        if case.get("clip") and not ours:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
-        opt.step()
+        returned += _step(model, opt, case, ours, (make_batch, loss_fn, gen), step, rank,
+                          deferred)
         if scheduler:
             scheduler.step()
         if case.get("read_after_step"):  # a read outside the forward: the update runs first
@@ -119,6 +150,7 @@ def train(cls, base, case: dict, rank: int, resume_at: int | None = None,
         groups=[{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
         param_groups=state["param_groups"],
         deferred=deferred, updates_in_forward=updates_in_forward, snapshot=snapshot,
+        returned=returned,
         last_overlap=last,
         memory=opt.memory_bytes() if ours else _torch_memory(opt))
 

@@ -1,4 +1,4 @@
-"""What differs between the torch versions pyreducer supports (2.11 through 2.14), in one place.
+"""What differs between the torch versions pyreducer supports (2.11 through 2.15), in one place.
 
 Each difference is found by feature in the installed torch, not by version number, and pyreducer
 follows the installed torch's DDP (docs/pages/getting-started.md, "Supported torch versions"):
@@ -6,7 +6,9 @@ follows the installed torch's DDP (docs/pages/getting-started.md, "Supported tor
     deprecated `broadcast_buffers` (default None, a FutureWarning when given). Up to 2.12,
     `broadcast_buffers` defaults to True and nothing warns. pyreducer takes both new arguments
     on every torch (after the installed DDP's own), with the installed DDP's default and
-    warnings for `broadcast_buffers`.
+    warnings for `broadcast_buffers`. torch 2.15 added `lazy_bucket_allocation` (buckets
+    allocated during backward, given back after it); pyreducer takes it on every torch too
+    (csrc/reducer.h, Note [Lazy bucket allocation]).
   - torch 2.11's DDP fails with delay_all_reduce_named_params and a fractional bucket_cap_mb
     (DDP_DELAY_TAKES_FRACTIONAL_CAP below); pyreducer does not.
   - torch 2.13 made autograd nodes intrusive_ptr-owned (std::shared_ptr up to 2.12): the C++ side
@@ -22,7 +24,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel as _TorchDDP
 # The oldest torch pyreducer builds against and is tested with (setup.py refuses older ones),
 # and the newest it is tested with (newer ones build, with a warning).
 OLDEST = (2, 11)
-NEWEST_TESTED = (2, 14)
+NEWEST_TESTED = (2, 15)
 
 _DDP_ARGUMENTS = inspect.signature(_TorchDDP.__init__).parameters
 # The installed DDP's argument names (the parity tests skip a scenario that needs another).

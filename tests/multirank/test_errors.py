@@ -240,9 +240,8 @@ def combinations_worker(rank, world_size):
         mlp[1].named_parameters(prefix="1")), param_to_hook_all_reduce=mlp[0].weight)
     out["join_delayed"] = _capture(lambda: delayed.join().__enter__())
     overlapped = DistributedDataParallel(nn.Linear(4, 2))
-    overlap = overlapped.overlap_optimizer(torch.optim.SGD(overlapped.parameters(), lr=0.1))
+    overlapped.overlap_optimizer(torch.optim.SGD(overlapped.parameters(), lr=0.1))
     out["join_overlap"] = _capture(lambda: overlapped.join().__enter__())
-    out["closure"] = _capture(lambda: overlap.step(lambda: 0.0))
     joined = DistributedDataParallel(nn.Linear(4, 2))
 
     def overlap_inside_join():
@@ -317,7 +316,6 @@ def test_a_gradient_that_would_stay_local_is_refused_by_name(ranks_once, key, wo
     ("join_delayed", ["ValueError", "join() cannot be combined with delay_all_reduce_named_params"]),
     ("mixed_rnn", ["NotImplementedError", "mixed_precision with recurrent modules"]),
     ("join_overlap", ["ValueError", "join() cannot be combined with an overlapped optimizer"]),
-    ("closure", ["ValueError", "step(closure) is not supported"]),
     ("overlap_in_join", ["ValueError", "overlap_optimizer cannot be created inside join()"]),
     ("overlap_lbfgs", ["ValueError", "LBFGS needs a closure"]),
     ("overlap_zero", ["ValueError", "ZeroRedundancyOptimizer steps this rank's whole shard"]),

@@ -4,7 +4,8 @@ after the steps bit for bit (foreach=False implementations, the defaults, foreac
 default on CUDA, fused kernels, AMSGrad, RMSprop and Adagrad), with LR schedulers, gradient clipping, no_sync accumulation, unused parameters,
 tied weights, a parameter read outside its module, parameters stepped outside every bucket
 (ignored, delayed all-reduce, not in the model), bucket views, static graph, a communication
-hook, and a checkpoint resumed mid-training. Three passes: 2 ranks with the default schedule ("auto": torch DDP's order until
+hook, a checkpoint resumed mid-training, the optimizer's own clips between backward and step and
+step(closure) (as the frameworks' loops use them). Three passes: 2 ranks with the default schedule ("auto": torch DDP's order until
 it plans), 2 ranks with the buckets cut into chunks launched in the planned order from the
 fourth step, and 3 ranks with torch DDP's order (the one bitwise there; chunks at 3 ranks:
 test_overlap_schedule.py). Also that the updates really are deferred to the next forward, that
@@ -205,6 +206,17 @@ CASES = {
     # the user clips between backward and step (reading every .grad): the reads wait for the
     # reductions, so this is correct, without overlap of the update
     "clip_by_user": dict(model="mlp", opt="sgd", user_clip=0.05, ddp=dict(bucket_cap_mb=0.3)),
+    # ... through the optimizer's clips (as the frameworks' loops clip): the same arithmetic on
+    # the reduced gradients, the updates still deferred to the next forward
+    "clip_norm_method": dict(model="mlp", opt="adam", method_clip=("norm", 0.05),
+                             ddp=dict(bucket_cap_mb=0.3)),
+    "clip_inf_norm_method": dict(model="mlp", opt="sgd", method_clip=("inf", 0.05),
+                                 ddp=dict(bucket_cap_mb=0.1)),
+    "clip_value_method": dict(model="mlp", opt="sgd", method_clip=("value", 0.002),
+                              ddp=dict(bucket_cap_mb=0.1)),
+    # step(closure), as Lightning steps: the closure's forward applies the last step's updates
+    "closure": dict(model="mlp", opt="adam", closure=True, scheduler="onecycle",
+                    ddp=dict(bucket_cap_mb=0.1)),
     "no_sync_2": dict(model="mlp", opt="sgd", micro=2, ddp=dict(bucket_cap_mb=0.3)),
     # torch.autograd.grad w.r.t. the inputs through the outputs, then the backward
     "gradient_penalty": dict(model="mlp", opt="adam", penalty=True, ddp=dict(bucket_cap_mb=0.1)),
@@ -279,7 +291,7 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
 
     model, opt, scheduler = build(copy.deepcopy(base))
     gen = torch.Generator().manual_seed(1000 + rank)
-    deferred, chunked, after_zero = [], 0, []
+    deferred, chunked, after_zero, returned = [], 0, [], []
     for step in range(steps):
         if step == resume_at:  # a checkpoint written mid-training, resumed in a new wrapper
             saved = dict(model=copy.deepcopy(model.module.state_dict()),
@@ -291,6 +303,23 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
             opt.load_state_dict(saved["opt"])
             if scheduler:
                 scheduler.load_state_dict(saved["sched"])
+        if case.get("closure"):
+            batch = batch_fn(gen, 8)
+
+            def closure():
+                loss = loss_fn(model, batch, step)
+                loss.backward()
+                return loss
+
+            returned.append(opt.step(closure).detach().clone())
+            if ours:
+                deferred.append(len(model.reducer.pending_buckets()))
+                chunked += max(model.reducer.launch_chunks()) > 1
+            scheduler.step()
+            opt.zero_grad()
+            if ours:
+                after_zero.append(len(model.reducer.pending_buckets()))
+            continue
         for micro in range(case.get("micro", 1)):
             batch = batch_fn(gen, 8)
             if micro < case.get("micro", 1) - 1 and not case.get("synced_micro"):
@@ -310,6 +339,17 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
             opt.zero_grad()
             continue
         zero_grad = model.zero_grad if case.get("module_zero") else opt.zero_grad
+        if case.get("method_clip"):
+            kind, value = case["method_clip"]
+            if kind == "value":
+                clip_value = opt.clip_grad_value_ if ours else \
+                    lambda v: torch.nn.utils.clip_grad_value_(model.parameters(), v)
+                clip_value(value)
+            else:
+                norm_type = float(kind) if kind == "inf" else 2.0
+                clip_norm = opt.clip_grad_norm_ if ours else \
+                    lambda v, n: torch.nn.utils.clip_grad_norm_(model.parameters(), v, n)
+                returned.append(clip_norm(value, norm_type).detach().clone())
         if case.get("user_clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), case["user_clip"])
         elif case.get("clip") and not ours:
@@ -321,8 +361,9 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
         if step == case.get("add_group_at"):
             left_out = dict(model.module.named_parameters())[case["leave_out"]]
             opt.add_param_group({"params": [left_out], "lr": 0.01})
-        if ours:
-            after_zero.append(len(model.reducer.pending_buckets()))
+        if ours:  # (after a clip, the reductions are done: the buckets' updates still wait)
+            after_zero.append(len(opt.pending) if case.get("method_clip") else
+                              len(model.reducer.pending_buckets()))
         if step == case.get("inference_eval"):
             with torch.inference_mode():
                 model(batch[0])
@@ -335,7 +376,7 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
     state = opt.state_dict()["state"]
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return dict(params=params, buffers=buffers, deferred=deferred, chunked=chunked, groups=groups,
-                grads=grads, after_zero=after_zero,
+                grads=grads, after_zero=after_zero, returned=returned,
                 state={k: {n: v.clone() for n, v in s.items() if torch.is_tensor(v)}
                        for k, s in state.items()})
 
@@ -380,6 +421,9 @@ def _assert_same(ours, theirs, exact, what):
         for key, value in theirs[kind].items():
             assert _same(ours[kind][key], value, exact), f"{what}: {kind} {key}"
     assert ours["groups"] == theirs["groups"], f"{what}: param_groups' settings"
+    assert len(ours["returned"]) == len(theirs["returned"]), what  # the closures' losses, norms
+    for index, (mine, torchs) in enumerate(zip(ours["returned"], theirs["returned"])):
+        assert _same(mine, torchs, exact), f"{what}: returned value {index}: {mine} vs {torchs}"
     for key, value in theirs["grads"].items():
         assert (value is None) == (ours["grads"][key] is None), f"{what}: gradient of {key}"
         assert value is None or _same(ours["grads"][key], value, exact), f"{what}: grad {key}"
@@ -408,7 +452,8 @@ def test_matches_torch_ddp_bit_for_bit(overlapped, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_updates_were_deferred(overlapped, name):
     """Every synced backward left reductions in flight for the next forward (the overlap), and
-    zero_grad() (the optimizer's or the wrapper's) after step() left them there."""
+    zero_grad() (the optimizer's or the wrapper's) after step() left them there (after the
+    optimizer's own clip, which completes them: left the updates there)."""
     _, _, results = overlapped
     deferred = results[0][name]["ours"]["deferred"]
     assert deferred and all(n > 0 for n in deferred), deferred

@@ -39,6 +39,16 @@ CASES = {
                             ddp=dict(find_unused_parameters=True, bucket_cap_mb=0.001)),
     "clip_no_sync_adamw": dict(model="cnn", opt="adamw", clip=0.5, micro=2,
                                ddp=dict(bucket_cap_mb=0.01)),
+    # the optimizer's own clips between backward and step (as the frameworks' loops clip), and
+    # step(closure) (as Lightning steps)
+    "clip_norm_method": dict(model="mlp", opt="adam", method_clip=("norm", 0.05),
+                             ddp=dict(bucket_cap_mb=0.3)),
+    "clip_norm_method_unused": dict(model="branchy", opt="sgd", method_clip=("norm", 0.05),
+                                    ddp=dict(find_unused_parameters=True, bucket_cap_mb=0.001)),
+    "clip_value_method": dict(model="mlp", opt="sgd", method_clip=("value", 0.002),
+                              ddp=dict(bucket_cap_mb=0.1)),
+    "closure": dict(model="mlp", opt="adamw", closure=True, scheduler="onecycle",
+                    ddp=dict(bucket_cap_mb=0.1)),
     "no_sync_3": dict(model="mlp", opt="adamw", micro=3, ddp=dict(bucket_cap_mb=0.1)),
     "unused_branch": dict(model="branchy", opt="adam",
                           ddp=dict(find_unused_parameters=True, bucket_cap_mb=0.001)),
@@ -109,6 +119,9 @@ def _assert_same(ours, theirs, exact, what):
         assert (value is None) == (ours["grads"][key] is None), f"{what}: gradient of {key}"
         assert value is None or _close(ours["grads"][key], value, exact), f"{what}: grad {key}"
     assert ours["groups"] == theirs["groups"], f"{what}: param_groups' settings"
+    assert len(ours["returned"]) == len(theirs["returned"]), what  # closures' losses, norms
+    for index, (mine, torchs) in enumerate(zip(ours["returned"], theirs["returned"])):
+        assert _close(mine, torchs, exact), f"{what}: returned value {index}: {mine} vs {torchs}"
     assert set(ours["state"]) == set(theirs["state"]), f"{what}: parameters with state"
     for index, entries in theirs["state"].items():
         assert set(ours["state"][index]) == set(entries), f"{what}: state keys of {index}"

@@ -15,7 +15,7 @@ import pytest
 from pyreducer.testing import subprocess_env
 
 # The DDP tests of torch's module that run on CPU with Gloo (the others need GPUs): the same
-# 11 in torch 2.11 and 2.13.
+# 11 in torch 2.11, 2.13 and 2.15.
 RUN_ON_CPU = ["test_DistributedDataParallelCPU", "test_DistributedDataParallelCPU_grad_is_view",
               "test_DistributedDataParallel_requires_grad", "test_accumulate_gradients_no_sync",
               "test_accumulate_gradients_no_sync_allreduce_hook",
@@ -23,10 +23,10 @@ RUN_ON_CPU = ["test_DistributedDataParallelCPU", "test_DistributedDataParallelCP
               "test_accumulate_gradients_no_sync_grad_is_view", "test_ddp_create_graph",
               "test_ddp_logging_data_cpu", "test_grads_same_across_ranks_with_no_sync",
               "test_static_graph_api_cpu"]
-# Reasons torch's own decorators give for skipping (no GPU; tests torch itself disabled; the
-# last two in torch 2.11's module).
-TORCH_SKIPS = ("CUDA", "github.com/pytorch/pytorch", "flakiness", "NVIDIA internal CI",
-               "nccl metadata")
+# Reasons torch's own decorators give for skipping (no GPU: "CUDA", from torch 2.15 "accelerator";
+# tests torch itself disabled; the last two in torch 2.11's module).
+TORCH_SKIPS = ("CUDA", "accelerator", "github.com/pytorch/pytorch", "flakiness",
+               "NVIDIA internal CI", "nccl metadata")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"{ws}ranks")

@@ -16,16 +16,16 @@ SUPPORTED = ["module", "device_ids", "output_device", "dim", "broadcast_buffers"
              "bucket_cap_mb_list", "forward_sync_buffers", "find_unused_parameters",
              "gradient_as_bucket_view", "static_graph", "batched_grad_copy",
              "delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision",
-             "skip_all_reduce_unused_params"]
+             "skip_all_reduce_unused_params", "lazy_bucket_allocation"]
 
 
 def _params(fn):
     return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values()]
 
 
-# Arguments of torch 2.12-2.13 that older torch lacks: pyreducer serves them on every torch,
+# Arguments of torch 2.12-2.15 that older torch lacks: pyreducer serves them on every torch,
 # after the installed DDP's own (pyreducer/wrapper/torch_versions.py).
-NEWER_TORCH = ["batched_grad_copy", "forward_sync_buffers"]
+NEWER_TORCH = ["batched_grad_copy", "forward_sync_buffers", "lazy_bucket_allocation"]
 # pyreducer's own arguments: keyword-only, after all of DDP's.
 EXTRAS = ["bucket_plan", "timeline_iterations", "gradient_predivide_factor", "reduce_dtype",
           "check_finite"]

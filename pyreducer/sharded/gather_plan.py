@@ -43,11 +43,11 @@ simulation placed earlier in time, and a receive for a send placed earlier still
 elements after the last slot) is not sent: nothing reads it.
 Buckets of less than MIN_BUCKET_BYTES are stepped, then gathered whole, as before (one ring
 all-gather; the first read waits for all of it): with 4 MB buckets the pieces' and the
-parameters' own waits cost more than they saved (step time / torch DDP's, 2 hosts, quiet machine,
-same run: transformer 0.921 against 0.894, mlp_large 0.989 against 0.954; record
-benchmarks/results/sharded_gather_20261129.md), and where buckets are that small the forward
-waits for one bucket at a time anyway. So do the NCCL path and Gloo beyond the rings' 64 ranks
-(comm.WholeGather).
+parameters' own waits cost about what they save (step time / torch DDP's, same run, read order
+against whole: transformer 0.945 / 0.956 and 0.927 / 0.895 at 2 and 4 hosts, mlp_large 0.902 /
+0.880 and 0.925 / 0.919; record benchmarks/results/sharded_gather_20261129.md), and where
+buckets are that small the forward waits for one bucket at a time anyway. So do the NCCL path
+and Gloo beyond the rings' 64 ranks (comm.WholeGather).
 """
 from __future__ import annotations
 

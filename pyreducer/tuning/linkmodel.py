@@ -158,7 +158,9 @@ def probe_contention_steps(link: LinkModel, group=None, reps: int = 3, work_s: f
     import torch.distributed as dist
 
     ranks = dist.get_world_size(group)
-    a = torch.randn(256, 256)
+    # the kernel's operands from a generator of its own: drawing from torch's default one would
+    # move the training's random stream (dropout masks) away from an untuned run's
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
 
     def kernel(count):
         start = time.perf_counter()

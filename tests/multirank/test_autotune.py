@@ -48,8 +48,10 @@ def tuning_worker(rank, world_size):
     out["planned"] = dict(result=result, applied=model.bucket_plan())
     from pyreducer.tuning import probe_contention
 
+    rng_before = torch.get_rng_state()
     loaded = probe_contention(LinkModel(1e-4, 1e9), reps=2, work_s=0.005)
     out["contention"] = (loaded.contention, loaded.latency_s, loaded.queue_s)
+    out["rng_kept"] = torch.equal(rng_before, torch.get_rng_state())
     return out
 
 
@@ -89,6 +91,8 @@ def test_contention_probe_gives_every_rank_the_same_link(tuned):
     assert 0.0 <= contention <= 0.9 and 1e-4 <= latency_s < 2.0  # never below the idle latency
     assert 0.0 <= queue_s < 2.0
     assert tuned[0]["contention"] == tuned[1]["contention"]  # from all-reduced times
+    # torch's default generator untouched: a model with dropout draws the untuned run's masks
+    assert all(r["rng_kept"] for r in tuned), [r["rng_kept"] for r in tuned]
 
 
 def test_autotune_confirms_a_close_call_and_still_decides(tuned):

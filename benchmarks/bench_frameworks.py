@@ -13,7 +13,7 @@ that a drift of the machine weighs on all alike). The default warm-up (90 steps)
 overlapped optimizer's schedule tuner takes to decide (its trials are not timed); every variant
 runs it, so that all end at the same step and their parameters can be compared.
 
-    python benchmarks/bench_frameworks.py --out run/frameworks             # ~15 min, 12 runs
+    python benchmarks/bench_frameworks.py --out run/frameworks             # ~17 min, 16 runs
     python benchmarks/bench_frameworks.py --tiny --out /tmp/frameworks     # smoke run, ~3 min
     python benchmarks/bench_frameworks.py --frameworks hf --variants stock,shard --out run/hf
 Writes results.json (after every run: a partial run is kept), summary.md, step_time.png and
@@ -38,7 +38,8 @@ sys.path.insert(0, HERE)
 
 from bench import cpu_model  # noqa: E402
 from frameworks_report import plot_memory, plot_step_times, summary_md  # noqa: E402
-from frameworks_worker import FRAMEWORKS, MODELS, REFERENCE, VARIANTS, WHY  # noqa: E402
+from frameworks_worker import (FRAMEWORKS, MAX_GRAD_NORM, MODELS, REFERENCE, VARIANTS,  # noqa: E402
+                               WHY)
 from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable, check_available  # noqa: E402
 
 TINY = dict(model="tiny", steps=4, warmup=3, repeats=1)
@@ -117,7 +118,7 @@ def launch_run(framework: str, variant: str, repeat: int, args, tmp: str) -> dic
     os.makedirs(out)
     argv = [os.path.join(HERE, "frameworks_worker.py"), "--framework", framework,
             "--variant", variant, "--model", args.model, "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--out", out]
+            "--warmup", str(args.warmup), "--clip", str(args.clip), "--out", out]
     logs = [os.path.join(out, f"host{h}.log") for h in range(args.hosts)]
     start = time.monotonic()
     with EmulatedCluster(args.hosts, args.link) as cluster:
@@ -191,7 +192,7 @@ def environment(args, argv) -> dict:
                 date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 command="python benchmarks/bench_frameworks.py " + shlex.join(argv),
                 settings={k: getattr(args, k) for k in ("steps", "warmup", "repeats", "model",
-                                                        "frameworks", "variants")})
+                                                        "frameworks", "variants", "clip")})
 
 
 def parse_args(argv):
@@ -207,6 +208,9 @@ def parse_args(argv):
                              "optimizer's schedule tuner decides by then)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of runs (default 2)")
     parser.add_argument("--model", choices=sorted(MODELS), default="default")
+    parser.add_argument("--clip", type=float, default=MAX_GRAD_NORM,
+                        help="gradient clipping by norm, both frameworks (default "
+                             f"{MAX_GRAD_NORM}; 0: none)")
     parser.add_argument("--tiny", action="store_true",
                         help="a smoke run: " + ", ".join(f"{k}={v}" for k, v in TINY.items()))
     parser.add_argument("--hosts", type=int, default=2, help="emulated hosts, a rank each")

@@ -23,7 +23,8 @@ from pyreducer.tools.compare import summarize  # noqa: E402
 NAMES = {"hf": "Hugging Face Trainer", "lightning": "Lightning"}
 DESCRIBE = {"stock": "the framework's torch DDP",
             "overlap": "pyreducer, overlapped optimizer",
-            "shard": "pyreducer, sharded optimizer"}
+            "shard": "pyreducer, sharded optimizer",
+            "shard_4mb": "pyreducer, sharded optimizer, bucket_cap_mb=4"}
 
 
 def slowest_rank(runs: list[dict]) -> tuple[dict, list[float]]:
@@ -122,7 +123,7 @@ def notes(variant: str, f: dict) -> list[str]:
         if chosen:
             lines.append(f"  - schedule chosen (decided at step {f['decided_at']}): "
                          + "; ".join(f"`{c}`" for c in chosen))
-        if variant == "shard" and f["fused"]:
+        if variant.startswith("shard") and f["fused"]:
             lines.append("  - torch's fused AdamW (the Trainer's default optim): the sharded "
                          "optimizer matches its CPU kernel within 1e-6, not bit for bit "
                          "(docs/pages/guides/sharded-optimizer.md)")
@@ -154,7 +155,9 @@ def summary_md(doc: dict) -> str:
              f"({env['emulation']}); {env['date']}; {doc.get('seconds', 0) / 60:.1f} min.", "",
              model_line(doc["model"]), "",
              f"Each run: {s['warmup']} warm-up + {s['steps']} timed optimizer steps, its own "
-             f"launch; {s['repeats']} repeat(s), round-robin. Step time: the interval between "
+             f"launch; {s['repeats']} repeat(s), round-robin; AdamW, linear warm-up, "
+             + (f"clipping by norm at {s['clip']:g}" if s.get("clip", 1.0) else "no clipping")
+             + ". Step time: the interval between "
              "consecutive step ends (HF: on_step_end; Lightning: on_train_batch_end), each "
              "rank's median over the timed steps of all repeats; the slowest rank's is shown "
              "with its quartiles. Optimizer state: this rank's state tensors (sharded: its "

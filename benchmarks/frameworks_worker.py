@@ -46,15 +46,17 @@ from sharded_worker import reset_peak_rss, storage_bytes  # noqa: E402
 from pyreducer.wrapper import teardown  # noqa: E402
 
 FRAMEWORKS = ("hf", "lightning")
-VARIANTS = ("stock", "overlap", "shard")
+VARIANTS = ("stock", "overlap", "shard", "shard_4mb")
 REFERENCE = "stock"
 # pyreducer's options per variant: ddp_options of the Trainer, DDPStrategy's keyword arguments
-OPTIONS = {"stock": None, "overlap": {"overlap_optimizer": True}, "shard": {"shard": True}}
+# (shard_4mb: the bucket size the sharded optimizer's guide recommends, "Choosing the bucket size")
+OPTIONS = {"stock": None, "overlap": {"overlap_optimizer": True}, "shard": {"shard": True},
+           "shard_4mb": {"shard": True, "bucket_cap_mb": 4}}
 # The GPT-2s (GPT2Config, built from the config: nothing is downloaded), and why each.
 MODELS = {"default": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=128,
                           batch=4),
           "tiny": dict(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=32, batch=4)}
-WHY = {"default": "the largest of the sizes tried whose 12 runs of 120 steps fit the "
+WHY = {"default": "the largest of the sizes tried whose runs (120 steps each) fit the "
                   "benchmark's ~15 minutes on 2 cores: one step of it took 0.25 s of compute on "
                   "one idle core (forward, backward, AdamW), 0.55-0.6 s per step with 2 ranks at "
                   "1 Gbit/s on a busy machine; 6 layers x 384 (13.8 M parameters, 53 MiB of "
@@ -152,7 +154,7 @@ def hf_run(spec: dict, variant: str, total: int, clock: StepClock, out: str) -> 
     training = TrainingArguments(
         output_dir=os.path.join(out, "trainer"), use_cpu=True, ddp_backend="gloo",
         seed=0, max_steps=total, per_device_train_batch_size=spec["batch"], learning_rate=LR,
-        weight_decay=WEIGHT_DECAY, warmup_steps=LR_WARMUP_STEPS, max_grad_norm=MAX_GRAD_NORM,
+        weight_decay=WEIGHT_DECAY, warmup_steps=LR_WARMUP_STEPS, max_grad_norm=spec["clip"],
         logging_steps=1, report_to="none", disable_tqdm=True, save_strategy="no",
         dataloader_num_workers=0)
     trainer = trainer_class(model=model, args=training, callbacks=[Clock()], **options,
@@ -225,8 +227,9 @@ def lightning_run(spec: dict, variant: str, total: int, clock: StepClock, out: s
     loader = torch.utils.data.DataLoader(Tokens(spec["vocab_size"], spec["n_positions"]),
                                          batch_size=spec["batch"], shuffle=False)
     trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=int(os.environ["WORLD_SIZE"]),
-                         strategy=strategy, max_steps=total, gradient_clip_val=MAX_GRAD_NORM,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         strategy=strategy, max_steps=total,
+                         gradient_clip_val=spec["clip"] or None, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[Clock()], default_root_dir=out)
     clock.optimizer = lambda: trainer.strategy.optimizers[0] if trainer.strategy.optimizers \
         else None
@@ -298,6 +301,9 @@ def parse_args(argv=None):
     parser.add_argument("--model", choices=sorted(MODELS), default="default")
     parser.add_argument("--steps", type=int, default=30, help="timed steps (the last ones)")
     parser.add_argument("--warmup", type=int, default=90, help="steps before them")
+    parser.add_argument("--clip", type=float, default=MAX_GRAD_NORM,
+                        help="clipping by norm (HF max_grad_norm, Lightning gradient_clip_val); "
+                             "0: none")
     parser.add_argument("--out", required=True, help="directory for rank<R>.json, params.pt")
     return parser.parse_args(argv)
 
@@ -312,7 +318,7 @@ def main(argv=None) -> None:
     start_kib = reset_peak_rss()  # the high-water mark from here: the model and its training
     start = time.monotonic()
     run = hf_run if args.framework == "hf" else lightning_run
-    result = run(MODELS[args.model], args.variant, total, clock, args.out)
+    result = run(dict(MODELS[args.model], clip=args.clip), args.variant, total, clock, args.out)
     seconds = time.monotonic() - start
     # on every rank: an overlapped optimizer's pending updates completed (collective for the
     # sharded one) before the parameters are read

@@ -94,7 +94,7 @@ def gpt2(spec: dict):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = {k: v for k, v in spec.items() if k != "batch"}
+    config = {k: v for k, v in spec.items() if k not in ("batch", "clip")}
     return GPT2LMHeadModel(GPT2Config(bos_token_id=0, eos_token_id=0, **config))
 
 

@@ -30,6 +30,11 @@ def _plan(params, numels, world_size):
                                    world_size, 4, min_bytes=0), used
 
 
+def _owners(plan):
+    """The rank whose shard holds each piece."""
+    return [b // plan.shard_numel for b in plan.begins]
+
+
 # A bucket holds the parameters in reverse (the backward's order): the forward reads the end first.
 MLP = ([5, 4, 3, 2, 1, 0], [4, 4 * MIB, 4, 4 * MIB, 4, 4 * MIB])  # 3 layers of 4 MiB + biases
 # positions (0, 64 KiB), tokens (1, 8 MiB: read first, at the end), blocks of 64 B to 2 MiB
@@ -72,7 +77,7 @@ CASES = [(MLP, w) for w in (2, 3, 4, 8)] + [(TRANSFORMER, w) for w in (2, 3, 4, 
 def test_pieces_cover_the_bucket_once_inside_one_shard(bucket, world_size):
     params, numels = bucket
     plan, used = _plan(params, numels, world_size)
-    shard = _C.shard_numel(used, world_size, 4)
+    shard = plan.shard_numel
     covered = sorted(zip(plan.begins, plan.ends))
     assert covered[0][0] == 0 and covered[-1][1] == used  # the padding is not sent
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
@@ -94,8 +99,7 @@ def _first_param(plan, params, numels, p):
 def test_every_rank_receives_every_piece_once(bucket, world_size):
     params, numels = bucket
     plan, used = _plan(params, numels, world_size)
-    shard = _C.shard_numel(used, world_size, 4)
-    owners = [b // shard for b in plan.begins]
+    owners = _owners(plan)
     count = len(plan.begins)
     for rank in range(world_size):
         received = plan.receives(rank)
@@ -110,7 +114,7 @@ def test_every_rank_receives_every_piece_once(bucket, world_size):
 def test_two_ranks_send_their_own_pieces_in_read_order(bucket):
     params, numels = bucket
     plan, used = _plan(params, numels, 2)
-    shard = _C.shard_numel(used, 2, 4)
+    shard = plan.shard_numel
     assert plan.order == "read"
     for rank in range(2):
         own = [p for p in range(len(plan.begins)) if plan.begins[p] // shard == rank]
@@ -152,8 +156,7 @@ def _execute(plan, owners, world_size, rng):
 def test_the_orders_finish_whatever_the_links_speeds(bucket, world_size):
     params, numels = bucket
     plan, used = _plan(params, numels, world_size)
-    shard = _C.shard_numel(used, world_size, 4)
-    owners = [b // shard for b in plan.begins]
+    owners = _owners(plan)
     rng = random.Random(world_size)
     for _ in range(20):
         held = _execute(plan, owners, world_size, rng)
@@ -170,8 +173,7 @@ def test_read_order_where_the_first_reads_are_a_part_of_the_bucket(world_size):
     assert plan.order == "read"
     offsets, _ = _offsets(params, numels)
     first = [(o, o + numels[i]) for i, o in zip(params, offsets) if i in (0, 1)]
-    shard = _C.shard_numel(used, world_size, 4)
-    owners = [b // shard for b in plan.begins]
+    owners = _owners(plan)
     ready = {}
     for order in ("read", "ring"):
         _, _, held = gather_plan.simulate(plan.begins, plan.ends, owners, world_size, order)
@@ -189,7 +191,7 @@ def test_a_rank_steps_first_what_its_link_sends_first(bucket, world_size):
     (with 2 ranks: read order, as its sends are its own pieces in read order)."""
     params, numels = bucket
     plan, used = _plan(params, numels, world_size)
-    shard = _C.shard_numel(used, world_size, 4)
+    shard = plan.shard_numel
     for rank in range(world_size):
         order = plan.step_order(rank)
         assert sorted(order, key=plan.segments.index) == list(plan.segments)

@@ -200,6 +200,18 @@ def draw_gantts(result, path) -> None:
             print("wrote", plot.gantt([entry["pyreducer_timeline"]], out), flush=True)
 
 
+def hosts_unavailable(script: str) -> bool:
+    """True, having said why on stderr, where emulated hosts cannot be set up (no root or no
+    iproute2): the benchmarks then stop rather than fall back to loopback."""
+    try:
+        check_available()
+    except NetemUnavailable as error:
+        print(f"{script}: cannot emulate hosts here: {error}. Not falling back to loopback.",
+              file=sys.stderr)
+        return True
+    return False
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), or platform.processor() where that is absent:
     machines of one kind differ (vgg's compute-only step: 190 ms on one, 270-290 on another)."""
@@ -260,11 +272,7 @@ def main(argv=None):
     parser.add_argument("--json")
     parser.add_argument("--plot", help="PNG of step time vs bucket cap (sweeps)")
     args = parser.parse_args(argv)
-    try:
-        check_available()
-    except NetemUnavailable as error:
-        print(f"bench.py: cannot emulate hosts here: {error}. Not falling back to loopback.",
-              file=sys.stderr)
+    if hosts_unavailable("bench.py"):
         return 2
     variants = ALL if args.impl == "all" else args.impl
     results = []

@@ -36,11 +36,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from bench import cpu_model  # noqa: E402
+from bench import cpu_model, hosts_unavailable  # noqa: E402
 from frameworks_report import plot_memory, plot_step_times, summary_md  # noqa: E402
 from frameworks_worker import (FRAMEWORKS, MAX_GRAD_NORM, MODELS, REFERENCE, VARIANTS,  # noqa: E402
                                WHY)
-from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable, check_available  # noqa: E402
+from pyreducer.tools.netem import EmulatedCluster  # noqa: E402
 
 TINY = dict(model="tiny", steps=4, warmup=3, repeats=1)
 # every rank: one thread (torchrun sets OMP_NUM_THREADS=1 only with several processes per
@@ -245,11 +245,7 @@ def write_outputs(doc: dict, out: str) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    try:
-        check_available()
-    except NetemUnavailable as error:
-        print(f"bench_frameworks.py: cannot emulate hosts here: {error}. Not falling back to "
-              f"loopback.", file=sys.stderr)
+    if hosts_unavailable("bench_frameworks.py"):
         return 2
     os.makedirs(args.out, exist_ok=True)
     doc = dict(environment=environment(args, argv), model=model_facts(args.model),

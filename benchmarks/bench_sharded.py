@@ -44,8 +44,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from bench import cpu_model  # noqa: E402
-from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable, check_available  # noqa: E402
+from bench import cpu_model, hosts_unavailable  # noqa: E402
+from pyreducer.tools.netem import EmulatedCluster  # noqa: E402
 from sharded_worker import DEFAULT_VARIANTS, REFERENCE, VARIANTS  # noqa: E402
 
 QUICK = dict(steps=4, block=2, rounds=1, warmup=3, sharded_warmup=6, memory_steps=2)
@@ -424,11 +424,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    try:
-        check_available()
-    except NetemUnavailable as error:
-        print(f"bench_sharded.py: cannot emulate hosts here: {error}. Not falling back to "
-              f"loopback.", file=sys.stderr)
+    if hosts_unavailable("bench_sharded.py"):
         return 2
     os.makedirs(args.out, exist_ok=True)
     doc = dict(environment=environment(args, argv), runs=[])

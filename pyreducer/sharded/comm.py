@@ -56,7 +56,7 @@ class ShardComm:
             job = self.ring.all_gather_planned(flat, list(plan.begins), list(plan.ends),
                                                list(plan.sends[self.rank]),
                                                list(plan.receives(self.rank)),
-                                               "all-gather of a bucket's parameters")
+                                               PlannedGather.WHAT)
             return PlannedGather(self, job)
         return WholeGather(self, flat, own, len(plan.segments))
 

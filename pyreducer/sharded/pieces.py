@@ -166,13 +166,6 @@ class Pieces:
             self._owners = (self.layout, owners)
         return self._owners[1]
 
-    def write_back(self, b: int, flat: torch.Tensor) -> None:
-        """Bucket b's parameters take their gathered values from `flat`."""
-        layout = self.layout
-        for i, offset in zip(layout.buckets[b], layout.slot_offsets[b]):
-            param = self.params[i]
-            flat_view(param).copy_(flat[offset:offset + param.numel()])
-
     def slot(self, i: int) -> tuple[int, int, int]:
         """Parameter i's slot: (bucket, first element, end) in the bucket's buffer."""
         if self._slots is None or self._slots[0] is not self.layout:

@@ -111,7 +111,8 @@ class OverlapOptimizer(Clipping, torch.optim.Optimizer):
             measured and chosen). `"fifo"`: whole buckets in torch DDP's order (with 3 or more
             ranks, the only schedule whose all-reduce sums are torch DDP's bit for bit). A
             number: chunks of that many MB, in the planned priority order (planned as
-            `"auto"` is, without choosing the size).
+            `"auto"` is, without choosing the size; where the link probe or the profile is
+            unusable, in torch DDP's bucket order, and `schedule_log` says why).
         hold_back (int): with `schedule="fifo"`: how many of the last buckets (the first
             layers', full last in backward) are launched first-layers-first right after the
             backward, so that the next forward's first reads complete first

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 
 from pyreducer.overlap import contention
@@ -215,7 +216,15 @@ class ScheduleTuner(ScheduleRecall):
 
     def _keep_order(self, plan) -> None:
         """No schedule for `plan`: the order the held iterations were profiled under stays
-        (torch DDP's), not the held one."""
+        (torch DDP's), not the held one; a chunk size the user fixed stays in force, its chunks
+        in torch DDP's bucket order (the priority order needs the link model)."""
+        if self.chunk_bytes is not None:
+            layout = self.reducer.bucket_layout()
+            chunks = [max(1, min(math.ceil(bucket["size_bytes"] / self.chunk_bytes), most))
+                      for bucket, most in zip(layout, self.max_chunks())]
+            self.reducer.set_launch_order([b for b, n in enumerate(chunks) for _ in range(n)],
+                                          chunks)
+            return
         if self.held_for == plan:
             self.reducer.set_launch_order(self.held_profiled["order"],
                                           self.held_profiled["chunks"])

@@ -376,6 +376,8 @@ def _train(cls, base, batch_fn, loss_fn, case, rank, steps=STEPS, resume_at=None
     state = opt.state_dict()["state"]
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return dict(params=params, buffers=buffers, deferred=deferred, chunked=chunked, groups=groups,
+                schedule_log=[{k: e.get(k) for k in ("event", "describe", "reason")}
+                              for e in opt.schedule_log] if ours else None,
                 grads=grads, after_zero=after_zero, returned=returned,
                 state={k: {n: v.clone() for n, v in s.items() if torch.is_tensor(v)}
                        for k, s in state.items()})
@@ -446,7 +448,8 @@ def test_matches_torch_ddp_bit_for_bit(overlapped, name):
         # the chunks were in force for the last backwards: from the fourth (planned at its
         # forward), or the fifth where the buckets are rebuilt a step later (unused parameters,
         # static graph)
-        assert results[0][name]["ours"]["chunked"] >= STEPS - 4, results[0][name]["ours"]
+        ours = results[0][name]["ours"]
+        assert ours["chunked"] >= STEPS - 4, (ours["chunked"], ours["schedule_log"])
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -387,29 +387,38 @@ def unusable_probe_worker(rank, world_size):
     torch.manual_seed(0)
     base = _model()
     out = {}
-    for name in ("overlap", "plain"):
+    for name in ("overlap", "chunks", "plain"):
         model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        if name == "overlap":
-            opt = model.overlap_optimizer(opt)
+        if name != "plain":  # chunks: a size the user fixed, kept without the link model
+            opt = model.overlap_optimizer(opt, schedule=CAP_MB / 4 if name == "chunks" else
+                                          "auto")
             steps = 2 + opt.tuner.warmup + schedule_tuner.HELD_ITERATIONS + 4
         _train(model, opt, torch.Generator().manual_seed(rank), steps=steps)
-        if name == "overlap":
+        if name != "plain":
             model.synchronize()
-            out.update(log=opt.schedule_log, decided=opt.tuner.decided,
-                       order=model.reducer.launch_order(), count=len(model.bucket_plan()))
+            out[f"{name}_schedule"] = dict(
+                log=opt.schedule_log, decided=opt.tuner.decided, count=len(model.bucket_plan()),
+                order=model.reducer.launch_order(), chunks=model.reducer.launch_chunks())
         out[name] = [p.detach().clone() for p in model.parameters()]
     return out
 
 
-def test_an_unusable_link_probe_keeps_torch_ddps_order_and_trains_on(ranks_once):
+def test_an_unusable_link_probe_keeps_the_order_and_a_fixed_chunk_size(ranks_once):
     results = ranks_once(unusable_probe_worker, 2, ())
     for rank, r in enumerate(results):
-        assert [e["event"] for e in r["log"]] == ["not planned"], r["log"]
-        assert "link probe unusable: link fit failed" in r["log"][0]["reason"]
-        assert r["decided"] and r["order"] == list(range(r["count"]))
-        for ours, plain in zip(r["overlap"], r["plain"]):
-            assert torch.equal(ours, plain), f"rank {rank}"
+        for name in ("overlap", "chunks"):
+            s = r[f"{name}_schedule"]
+            assert [e["event"] for e in s["log"]] == ["not planned"], (name, s["log"])
+            assert "link probe unusable: link fit failed" in s["log"][0]["reason"]
+            assert s["decided"], name
+            for ours, plain in zip(r[name], r["plain"]):
+                assert torch.equal(ours, plain), f"rank {rank}: {name}"
+        auto, fixed = r["overlap_schedule"], r["chunks_schedule"]
+        assert auto["order"] == list(range(auto["count"])) and set(auto["chunks"]) == {1}
+        # the user's chunk size stays in force, its chunks in torch DDP's bucket order
+        assert max(fixed["chunks"]) > 1, fixed["chunks"]
+        assert fixed["order"] == [b for b, n in enumerate(fixed["chunks"]) for _ in range(n)]
 
 
 def schedule_tuner_held():

@@ -8,6 +8,17 @@
 
 namespace pyreducer {
 
+namespace {
+
+// A continuation (Future::then) runs whether its parent succeeded or failed, and completes its
+// own future with what it returns: it must pass a failed collective's error on, or the Reducer
+// would write the unreduced bucket back as if it were the average.
+void rethrow_if_failed(c10::ivalue::Future& done) {
+  if (done.hasError()) std::rethrow_exception(done.exception_ptr());
+}
+
+}  // namespace
+
 at::Tensor CommHook::parse_result(const c10::IValue& value) {
   if (value.isTensor()) return value.toTensor();
   if (value.isTensorList() && value.toTensorList().size() == 1) return value.toTensorList()[0];
@@ -42,7 +53,8 @@ FuturePtr CompressHook::run(GradBucketView& bucket) {
   // caching allocator; the child future's own events then order the Reducer's wait after the
   // copy. (Compiled, not run: no GPU.)
   return work->getFuture()->then(
-      [buffer, compressed](c10::ivalue::Future& /*done*/) -> c10::IValue {
+      [buffer, compressed](c10::ivalue::Future& done) -> c10::IValue {
+        rethrow_if_failed(done);
         at::Tensor target = buffer;  // a handle to the same storage
         target.copy_(compressed);    // decompress in place
         return c10::IValue(buffer);
@@ -69,7 +81,8 @@ FuturePtr AveragingHook::run(GradBucketView& bucket) {
   // CompressHook::run).
   return work->getFuture()->then(
       [reduced, post = options_.post, value = options_.post_value](
-          c10::ivalue::Future& /*done*/) -> c10::IValue {
+          c10::ivalue::Future& done) -> c10::IValue {
+        rethrow_if_failed(done);
         at::NoGradGuard no_grad;
         at::Tensor t = reduced;
         if (post == Post::kMultiply) t.mul_(wrapped_scalar(value));

@@ -46,6 +46,10 @@ class CommHook {
   // than the bucket, e.g. compressed and never decompressed, or on another device, is an error).
   // Built-in hooks return their reduce dtype by design, cast back into the bucket.
   virtual bool checked_result() const { return false; }
+  // Whether the future fails only when its collective failed (a peer died, froze or diverged),
+  // so that the Reducer's error names the lost ranks (Reducer::set_failure_context). A user's
+  // hook may also fail by its own error.
+  virtual bool fails_by_collective() const { return false; }
 };
 
 // Built-in compression hook, no Python: casts the bucket to `dtype` (float16 or bfloat16) after
@@ -56,6 +60,7 @@ class CompressHook : public CommHook {
   CompressHook(ProcessGroupPtr group, at::ScalarType dtype);
   FuturePtr run(GradBucketView& bucket) override;
   std::string name() const override;
+  bool fails_by_collective() const override { return true; }
 
  private:
   ProcessGroupPtr group_;
@@ -83,6 +88,7 @@ class AveragingHook : public CommHook {
   AveragingHook(ProcessGroupPtr group, Options options);
   FuturePtr run(GradBucketView& bucket) override;
   std::string name() const override { return options_.name; }
+  bool fails_by_collective() const override { return true; }
 
  private:
   ProcessGroupPtr group_;

@@ -2,7 +2,9 @@
 finalize (waiting for the reductions), or frozen (SIGSTOP) mid-backward. The surviving rank raises within the process group's timeout
 (plus pyreducer.wrapper.failures.REPORT_WINDOW_S to name the lost ranks), naming the phase and the
 rank it lost; after destroy_process_group no pyreducer thread or child process is left, and a script
-that does not catch the error exits with its traceback (exit code 1), not an abort."""
+that does not catch the error exits with its traceback (exit code 1), not an abort. Under the
+built-in C++ hooks a bucket whose all-reduce failed is an error too, never a gradient left
+unreduced."""
 import gc
 import os
 import signal
@@ -175,3 +177,31 @@ def test_report_names_agree_across_ranks_after_copies_and_subgroups():
     assert names[0]["copy"].startswith("copy")
     assert names[0]["subgroup"] == names[1]["subgroup"]
     assert len({n["next"] for n in names}) == 1 and len({n["first"] for n in names}) == 1, names
+
+
+def hooked_fault_worker(rank, world_size, hook):
+    """Rank 1 dies mid-backward under a built-in C++ hook (compression, or the averaging hook
+    that reduce_dtype installs); rank 0 returns its error, or None if backward returned."""
+    from pyreducer import DistributedDataParallel
+
+    options = dict(reduce_dtype=torch.float64) if hook == "averaging" else {}
+    model = DistributedDataParallel(_model(), bucket_cap_mb=0.005, **options)
+    if hook == "fp16":
+        model.register_builtin_hook("fp16")
+    try:
+        for step in range(1, 4):
+            if rank == 1 and step == 3:
+                model.module[3].weight.register_hook(lambda grad: os._exit(3))
+            _step(model)
+    except RuntimeError as caught:
+        return str(caught)
+    return None
+
+
+@pytest.mark.parametrize("hook", ["fp16", "averaging"])
+def test_a_builtin_hooks_failed_all_reduce_raises(hook):
+    """The hooks' completion callbacks pass the collective's error on: a bucket whose
+    all-reduce failed is an error on the survivor, never a gradient left unreduced."""
+    error = run_ranks(hooked_fault_worker, 2, (hook,), timeout_s=90, pg_timeout_s=PG_TIMEOUT_S,
+                      may_die=(1,))[0]
+    assert error is not None and "phase: backward of iteration 3; lost rank(s) 1" in error, error

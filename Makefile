@@ -4,9 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-# The frameworks pyreducer plugs into (docs/pages/coming-from.md), at the versions of pyproject.toml's test extra; their tests take about 10 minutes on 2 busy cores.
-FRAMEWORKS := lightning==2.6.6 accelerate==1.15.0 transformers==5.24.0
-DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-frameworks
+# The frameworks pyreducer plugs into (docs/pages/coming-from.md) and torchft (pyreducer.torchft), at the versions of pyproject.toml's test extra; their tests take about 10 minutes on 2 busy cores, torchft's about 1.
+FRAMEWORKS := lightning==2.6.6 accelerate==1.15.0 transformers==5.24.0 torchft==0.2.0
+DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-frameworks-torchft
 CMAKE_BUILD := build/cmake
 PYTEST_ARGS ?=
 export MAX_JOBS ?= 2

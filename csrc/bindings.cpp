@@ -6,6 +6,7 @@
 #include "bucket.h"
 #include "bucketing.h"
 #include "comm_hook.h"
+#include "quorum_hook.h"
 #include "reducer.h"
 #include "timeline.h"
 
@@ -292,6 +293,39 @@ void set_failure_context(Reducer& reducer, py::object context) {
   });
 }
 
+// See Note [Quorum all-reduce] in csrc/quorum_hook.h; `on_error` (a Python callable: message
+// -> None) runs with the GIL, on the thread that saw the failure; its own failure is printed as
+// unraisable (it must not reach a communication thread).
+std::shared_ptr<QuorumHook> make_quorum_hook(py::object on_error) {
+  std::shared_ptr<py::object> held(new py::object(std::move(on_error)), [](py::object* obj) {
+    py::gil_scoped_acquire gil;
+    delete obj;
+  });
+  return std::make_shared<QuorumHook>([held](const std::string& message) {
+    py::gil_scoped_acquire gil;
+    try {
+      (*held)(message);
+    } catch (py::error_already_set& error) {
+      error.discard_as_unraisable("pyreducer.torchft: reporting a failed all-reduce");
+    }
+  });
+}
+
+void bind_quorum_hook(py::module_& m) {
+  const auto RELEASE = py::call_guard<py::gil_scoped_release>();
+  py::class_<CommHook, std::shared_ptr<CommHook>>(m, "CommHook",
+                                                  "A communication hook in C++ (comm_hook.h).")
+      .def("name", &CommHook::name);
+  py::class_<QuorumHook, CommHook, std::shared_ptr<QuorumHook>>(
+      m, "QuorumHook", py::release_gil_before_calling_cpp_dtor())
+      .def(py::init(&make_quorum_hook), py::arg("on_error"),
+           "See Note [Quorum all-reduce] in csrc/quorum_hook.h.")
+      .def("begin_step", &QuorumHook::begin_step, py::arg("process_group"),
+           py::arg("participants"), py::arg("participating"), RELEASE)
+      .def("skip_step", &QuorumHook::skip_step, py::arg("why"), RELEASE)
+      .def("step_error", &QuorumHook::step_error, RELEASE);
+}
+
 // Note [Letting the Reducer go without the GIL]
 // The Reducer holds its process group, and may hold the last reference to it (a script that
 // called destroy_process_group() before its model went out of scope). The last reference to a
@@ -382,6 +416,11 @@ void bind_reducer(py::module_& m) {
              py::gil_scoped_release no_gil;
              reducer.register_comm_hook(std::move(held));
            })
+      .def("register_cpp_hook",
+           [](Reducer& reducer, std::shared_ptr<CommHook> hook) {
+             reducer.register_comm_hook(std::move(hook));
+           },
+           py::arg("hook"), RELEASE)
       .def("register_builtin_hook",
            [](Reducer& reducer, ProcessGroupPtr group, const std::string& name) {
              reducer.register_comm_hook(builtin_hook(std::move(group), name));
@@ -433,5 +472,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pyreducer::bind_options(m);
   pyreducer::bind_grad_bucket(m);
   pyreducer::bind_ring(m);
+  pyreducer::bind_quorum_hook(m);
   pyreducer::bind_reducer(m);
 }

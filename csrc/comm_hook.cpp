@@ -30,6 +30,14 @@ at::Tensor CommHook::parse_result(const c10::IValue& value) {
                            "; expected a Future[Tensor] holding the reduced bucket");
 }
 
+void CommHook::throw_failure(size_t bucket, int rank, const std::string& error) const {
+  const std::string message = "pyreducer: communication hook " + name() + " failed for bucket " +
+                              std::to_string(bucket) + " on rank " + std::to_string(rank) + ": " +
+                              error;
+  if (fails_by_collective()) throw CollectiveError(message);
+  throw std::runtime_error(message);
+}
+
 CompressHook::CompressHook(ProcessGroupPtr group, at::ScalarType dtype)
     : group_(std::move(group)), dtype_(dtype) {
   if (dtype_ != at::kHalf && dtype_ != at::kBFloat16) {

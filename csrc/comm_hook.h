@@ -50,6 +50,9 @@ class CommHook {
   // so that the Reducer's error names the lost ranks (Reducer::set_failure_context). A user's
   // hook may also fail by its own error.
   virtual bool fails_by_collective() const { return false; }
+  // Throws the error of bucket `bucket`'s failed future on `rank`: a CollectiveError where the
+  // hook fails_by_collective(), else std::runtime_error.
+  [[noreturn]] void throw_failure(size_t bucket, int rank, const std::string& error) const;
 };
 
 // Built-in compression hook, no Python: casts the bucket to `dtype` (float16 or bfloat16) after

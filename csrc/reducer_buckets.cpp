@@ -390,12 +390,7 @@ void Reducer::wait_bucket(size_t b) {
   } else {
     bucket.future->wait();
     if (bucket.future->hasError()) {
-      const std::string message = "pyreducer: communication hook " + comm_hook_->name() +
-                                  " failed for bucket " + std::to_string(b) + " on rank " +
-                                  std::to_string(group_->getRank()) + ": " +
-                                  bucket.future->tryRetrieveErrorMessage();
-      if (comm_hook_->fails_by_collective()) throw CollectiveError(message);
-      throw std::runtime_error(message);
+      comm_hook_->throw_failure(b, group_->getRank(), bucket.future->tryRetrieveErrorMessage());
     }
     at::Tensor result = comm_hook_->parse_result(bucket.future->value());
     if (!result.is_same(bucket.flat)) {

@@ -17,6 +17,7 @@ set(PYREDUCER_CORE_SOURCES
     csrc/device_timeline.cpp
     csrc/graph.cpp
     csrc/ops.cpp
+    csrc/quorum_hook.cpp
     csrc/reducer.cpp
     csrc/reducer_buckets.cpp
     csrc/reducer_control.cpp

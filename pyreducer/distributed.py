@@ -82,6 +82,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     _buffer_group = None  # overlap_optimizer(): Note [Buffers beside deferred reductions]
     _compiled = None  # CompiledSplits; none where every parameter's all-reduce is delayed
 
+    # A subclass whose replicas must build the same buckets without a collective (pyreducer.torchft:
+    # a replica that restarts and heals) sets this: see _build_reducer.
+    _never_rebuild = False
+
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
                  broadcast_buffers=torch_versions.BROADCAST_BUFFERS_DEFAULT, init_sync=True,
                  process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
@@ -128,7 +132,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             return
         self._params = self._collect_params()
         arguments.check_sparse_backend(self._params)
-        self._failures = failures.LostRanks(self.process_group)  # names lost ranks in errors
+        self._failures = self._lost_ranks()  # names lost ranks in errors
         with self._failures.phase("construction"):
             if init_sync:
                 self._sync_at_construction(init_sync_buffers)
@@ -148,6 +152,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         named, sparse = reduced_parameters(self.module, self.parameters_to_ignore)
         return ReducedParams.of(named, self.process_group, self.module,
                                 frozenset(self.parameters_to_ignore), sparse)
+
+    def _lost_ranks(self, copy: bool = False):
+        """What names the lost ranks in a collective's error (failures.py)."""
+        return failures.LostRanks(self.process_group, copy)
 
     def _sync_at_construction(self, with_buffers: bool) -> None:
         """As torch DDP: the same model on every rank (checked), then rank 0's state on all."""
@@ -184,6 +192,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._tune_now, self._tuned_after = False, -1  # see _pre_forward
         self._watch = ParameterWatch(self.module, self._params)  # changed after wrapping: error
         self._logger = DDPLogger(self.reducer, _C.Reducer.now_ns, self._params.sizes_bytes)
+        hook = self._own_comm_hook()
+        if hook is not None:
+            self.reducer.register_cpp_hook(hook)
+            self._logger.set_comm_hook(hook.name())
         self._logger.construction_data(
             self.module, self._params, self.device_ids, self.output_device,
             self.forward_sync_buffers, self.find_unused_parameters, self.gradient_as_bucket_view,
@@ -194,8 +206,19 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._autotune = AutoTuner(self._autotune_config, self._tuning, self._compiled.active) \
             if self._autotune_config else None
 
+    def _own_comm_hook(self):
+        """A subclass's own C++ communication hook (an _C.CommHook, such as pyreducer.torchft's
+        QuorumHook), installed at construction; None: none (or the averaging hook)."""
+        return None
+
     def _build_reducer(self, plan, caps_per_bucket: bool, **options):
-        """The C++ Reducer (bucketing.build_reducer) with this wrapper's DDP options."""
+        """The C++ Reducer (bucketing.build_reducer) with this wrapper's DDP options; where
+        `_never_rebuild`, without a plan: torch DDP's first plan of the unused-parameter search
+        (the caps from the start), never rebuilt."""
+        if plan is None and self._never_rebuild:
+            plan = bucketing.initial_plan(self._params.sizes_bytes, self._params.group_keys,
+                                          self.bucket_caps_bytes, one_bucket=False,
+                                          sparse=self._params.sparse)
         return bucketing.build_reducer(
             self._params, self.process_group, self.bucket_caps_bytes, plan, caps_per_bucket,
             find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
@@ -226,7 +249,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         super().__setstate__(state)
         self.__dict__.setdefault("lazy_bucket_allocation", False)  # pickled before it existed
         self._params = self._collect_params()
-        self._failures = failures.LostRanks(self.process_group, copy=True)
+        self._failures = self._lost_ranks(copy=True)
         self._build_engine()
         self._recorder = None
 

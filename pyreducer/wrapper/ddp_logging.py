@@ -19,6 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from pyreducer.wrapper import params as params_module
+
 DEFAULT_SAMPLE_RATE = 100  # torch's kDDPRuntimeLoggingSampleRate
 _ENV_KEYS = {"master_port": "MASTER_PORT", "master_addr": "MASTER_ADDR",
              "torch_distributed_debug": "TORCH_DISTRIBUTED_DEBUG",
@@ -95,7 +97,7 @@ class DDPLogger:
                     dtypes=", ".join(sorted({_dtype_name(t.dtype) for t in tensors})),
                     bucket_sizes=", ".join(str(b["size_bytes"]) for b in sizes),
                     device_ids=", ".join(str(i) for i in device_ids or []),
-                    backend_name=dist.get_backend(group))
+                    backend_name=params_module.backend_name(group))
         strs.update({key: _env([var]) for key, var in _ENV_KEYS.items()})
         if strs["backend_name"] == "nccl":
             strs.update({key: _env(names) for key, names in _NCCL_KEYS.items()})

@@ -97,3 +97,15 @@ class LostRanks:
             except Exception:  # noqa: BLE001 - a type that takes other arguments
                 wrapped = RuntimeError(message)
             raise wrapped from error
+
+
+class Alone:
+    """In place of LostRanks for a wrapper whose group is this process alone (pyreducer.torchft's:
+    the replicas' failures are the Manager's to handle): no peer to report to or to lose."""
+
+    def describe(self, phase: str) -> str:
+        return f" [phase: {phase}]"
+
+    @contextmanager
+    def phase(self, name: str):
+        yield

@@ -67,10 +67,14 @@ class ReducedParams:
 
     @property
     def rank(self) -> int:
+        if self.process_group is not None and not _registered(self.process_group):
+            return self.process_group.rank()  # a group of its own (pyreducer.torchft's)
         return dist.get_rank(self.process_group)
 
     @property
     def world_size(self) -> int:
+        if self.process_group is not None and not _registered(self.process_group):
+            return self.process_group.size()
         return dist.get_world_size(self.process_group)
 
     def buffers(self) -> list[torch.Tensor]:
@@ -97,3 +101,15 @@ def reduced_parameters(module: nn.Module, ignored) -> tuple[list, list[bool]]:
                 named.append((fqn, param))
                 sparse.append(isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse)
     return named, sparse
+
+
+def _registered(group) -> bool:
+    """Whether torch.distributed knows `group` (made by init_process_group or new_group)."""
+    return dist.is_initialized() and group in dist.distributed_c10d._world.pg_group_ranks
+
+
+def backend_name(group) -> str:
+    """dist.get_backend(group), also for a group torch.distributed does not know of."""
+    if group is not None and not _registered(group):
+        return group.name()
+    return dist.get_backend(group)

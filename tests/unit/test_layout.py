@@ -61,7 +61,7 @@ def test_the_frameworks_tested_are_the_test_extras_pins():
     extra = re.search(r"^test = \[(.*)\]$", open(os.path.join(REPO, "pyproject.toml")).read(),
                       re.M).group(1)
     pinned = [p.strip().strip('"') for p in extra.split(",") if "==" in p]
-    assert len(installed) == 3 and sorted(installed) == sorted(pinned), (installed, pinned)
+    assert len(installed) == 4 and sorted(installed) == sorted(pinned), (installed, pinned)
 
 
 def _wrapper_private_names() -> set[str]:

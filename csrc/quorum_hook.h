@@ -1,0 +1,74 @@
+// The communication hook of pyreducer.torchft: every bucket all-reduced among the replicas of
+// this step's quorum.
+//
+// Note [Quorum all-reduce]
+// Under torchft (pyreducer/torchft.py) the replica groups that reduce together change from step
+// to step: each step's quorum (torchft's Manager, agreed through its Lighthouse) names the
+// participants, and the Manager builds a new Gloo process group among them whenever the quorum
+// changes. So the group a bucket is all-reduced on is the step's, not the wrapper's: the
+// wrapper hands it over once per step, after the forward (begin_step), and every bucket of the
+// coming backward is all-reduced on it from C++ as it fills, without Python. The arithmetic is
+// torchft's Manager.allreduce, so that the result is torchft's own DDP's bit for bit: gradients
+// copied in unscaled, SUM, then divided by the number of participants; a replica that is in the
+// quorum but not participating (healing: it loads a peer's state in should_commit, after this
+// backward) contributes zeros. A failed all-reduce (a peer died, froze or left) is not an error
+// of backward: it is recorded, reported once to the Manager through the error sink (which makes
+// its should_commit() say no, so the optimizer does not step on this step's gradients), the
+// bucket completes as it is, and the buckets after it are not launched. A step the Manager has
+// already errored (skip_step) reduces nothing, as torchft's allreduce returns its input then.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "comm.h"
+#include "comm_hook.h"
+
+namespace pyreducer {
+
+class QuorumHook : public CommHook {
+ public:
+  // `on_error(message)` is called once per step, for its first failure, from the thread that
+  // saw it (a communication thread or the autograd thread), without any lock of this hook.
+  using ErrorSink = std::function<void(const std::string&)>;
+
+  explicit QuorumHook(ErrorSink on_error);
+
+  // The quorum of the coming backward (see Note [Quorum all-reduce]): its process group, the
+  // number of participants (the divisor; >= 1), and whether this replica contributes its
+  // gradients (false: zeros). std::invalid_argument if `group` is null or participants < 1.
+  // Python thread, between backwards.
+  void begin_step(ProcessGroupPtr group, int64_t participants, bool participating);
+
+  // The coming backward reduces nothing: every bucket completes as it is. `why` is what
+  // step_error() then says. Python thread, between backwards.
+  void skip_step(const std::string& why);
+
+  // The first failure of the last step begun ("" if none), and whether it reduced nothing.
+  std::string step_error() const;
+
+  FuturePtr run(GradBucketView& bucket) override;
+  std::string name() const override { return "torchft quorum all-reduce"; }
+
+ private:
+  // One step's quorum; the continuations of its buckets hold it.
+  struct Step {
+    ProcessGroupPtr group;  // null: skipped
+    int64_t participants = 0;
+    bool participating = false;
+    std::mutex mutex;
+    std::string error;  // the first failure, or why the step was skipped
+    // Records `message` as the step's failure; true if it is the first.
+    bool fail(const std::string& message);
+    bool failed();
+  };
+
+  ErrorSink on_error_;
+  mutable std::mutex mutex_;
+  std::shared_ptr<Step> step_;
+};
+
+}  // namespace pyreducer

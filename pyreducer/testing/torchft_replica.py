@@ -1,0 +1,221 @@
+"""One torchft replica group (one process) of a fault-tolerance test or benchmark
+(pyreducer/testing/torchft_job.py starts them): `python -m pyreducer.testing.torchft_replica
+CONFIG_JSON`.
+
+It trains a small MLP with torchft's protocol (start_quorum, forward, backward, should_commit,
+step) under pyreducer's torchft wrapper or torchft's own DDP, until the Manager's step reaches
+`steps`, and writes to `out` (torch.save) its parameters and, per attempted step, what it saw:
+the step, the participants, whether it participated (False: healing), whether it committed,
+its loss. A first life (attempt 0) may fail on purpose at step `fail_step`:
+  - "leave": exits before that step's quorum;
+  - "exit" / "sigkill": os._exit / SIGKILL from the first layer's gradient hook, so that the
+    other buckets' all-reduces are in flight (the first layer's bucket is launched last);
+  - "sigstop": stops itself there (the job kills it later).
+Each replica's batch at step s depends on (replica, s) alone, so a replay of the logged schedule
+can recompute the expected parameters (torchft_job.replay).
+
+Optional config keys (absent: the tests' loopback job): "model" (a MODELS name; default
+"small"), "host" (this replica's address, for its store and Manager, on emulated hosts; default
+"localhost"), "barrier" ({"dir", "count", "timeout_s"}: a first life waits, its Manager already
+heartbeating, until `count` replicas have reached the loop, so that a job starts with all of
+them in its first quorum rather than healing the late ones in).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH = 64
+# name -> (inputs, width, hidden width x width layers, outputs, batch per replica)
+MODELS = {
+    "small": (16, WIDTH, 2, 4, 8),  # the tests' (parameters: 9.6 KiB)
+    # benchmarks/bench_torchft.py's: 16.1 MiB of gradients (4.2 M parameters), ~0.2 s of ring
+    # all-reduce among 3 hosts at 1 Gbit/s, ~70 ms of compute per step at batch 256, 1 thread
+    "mlp_16mb": (1024, 1024, 3, 16, 256),
+}
+
+
+def build_model(model: str = "small") -> nn.Module:
+    """The replicas' model (the same initial weights everywhere; healing syncs them anyway)."""
+    inputs, width, hidden, outputs, _ = MODELS[model]
+    torch.manual_seed(0)
+    layers = [nn.Linear(inputs, width)]
+    for _ in range(hidden):
+        layers += [nn.ReLU(), nn.Linear(width, width)]
+    return nn.Sequential(*layers, nn.ReLU(), nn.Linear(width, outputs))
+
+
+def batch(replica: int, step: int, model: str = "small") -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, _, _, outputs, size = MODELS[model]
+    gen = torch.Generator().manual_seed(1000 * replica + step)
+    return torch.randn(size, inputs, generator=gen), torch.randn(size, outputs, generator=gen)
+
+
+def build_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _fail_now(kind: str) -> None:
+    if kind == "exit":
+        os._exit(3)
+    os.kill(os.getpid(), signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
+
+
+def build_manager(config: dict, holder: dict):
+    """This replica group's torchft Manager (its own store, Gloo, healing over the process
+    group); `holder` gets the wrapper and the optimizer before the first quorum."""
+    import torchft
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    def load_state_dict(state):
+        holder["model"].module.load_state_dict(state["model"])
+        holder["optim"].load_state_dict(state["optim"])
+
+    def state_dict():
+        return dict(model=holder["model"].module.state_dict(),
+                    optim=holder["optim"].state_dict())
+
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    holder["store"] = store
+    pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=config["pg_timeout_s"]))
+    timeout = timedelta(seconds=config["manager_timeout_s"])
+    return torchft.Manager(
+        pg=pg, min_replica_size=config["min_replicas"], load_state_dict=load_state_dict,
+        state_dict=state_dict, replica_id=f"replica_{config['replica']}",
+        store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+        lighthouse_addr=config["lighthouse"], hostname="localhost", timeout=timeout,
+        quorum_timeout=timedelta(seconds=config["quorum_timeout_s"]), connect_timeout=timeout,
+        checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")))
+
+
+def train_step(manager, ddp, optimizer, replica: int) -> dict:
+    """One step of torchft's protocol; what it saw."""
+    started = time.time()
+    manager.start_quorum()
+    optimizer.zero_grad()
+    x, y = batch(replica, manager.current_step())
+    loss = F.mse_loss(ddp(x), y)
+    loss.backward()
+    # after the quorum: a healing replica's step is its peers' (its batch was not used)
+    step, participants = manager.current_step(), manager.num_participants()
+    participating = manager.is_participating()
+    committed = manager.should_commit()
+    if committed:
+        optimizer.step()
+    return dict(step=step, participants=participants, participating=participating,
+                committed=committed, loss=loss.item(), start=started, end=time.time())
+
+
+def _manager(config: dict, pg, holder: dict):
+    """This replica group's Manager (its store and Manager server on config's host)."""
+    import torchft
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    host = config.get("host", "localhost")
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    holder["store"] = store  # kept alive with the Manager
+
+    def load_state_dict(state):
+        holder["model"].module.load_state_dict(state["model"])
+        holder["optim"].load_state_dict(state["optim"])
+
+    def state_dict():
+        return dict(model=holder["model"].module.state_dict(),
+                    optim=holder["optim"].state_dict())
+
+    transport = PGTransport(pg, timeout=timedelta(seconds=config["manager_timeout_s"]),
+                            device=torch.device("cpu"))
+    return torchft.Manager(
+        pg=pg, min_replica_size=config["min_replicas"], load_state_dict=load_state_dict,
+        state_dict=state_dict, replica_id=f"replica_{config['replica']}", store_addr=host,
+        store_port=store.port, rank=0, world_size=1, lighthouse_addr=config["lighthouse"],
+        hostname=host, timeout=timedelta(seconds=config["manager_timeout_s"]),
+        quorum_timeout=timedelta(seconds=config["quorum_timeout_s"]),
+        connect_timeout=timedelta(seconds=config["manager_timeout_s"]),
+        checkpoint_transport=transport)
+
+
+def _wait_for_peers(barrier: dict, replica: int) -> None:
+    """config["barrier"]: here once this replica is ready, then until `count` replicas are."""
+    os.makedirs(barrier["dir"], exist_ok=True)
+    open(os.path.join(barrier["dir"], f"replica{replica}"), "w").close()
+    deadline = time.monotonic() + barrier["timeout_s"]
+    while len(os.listdir(barrier["dir"])) < barrier["count"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"replica {replica}: only {os.listdir(barrier['dir'])} of "
+                               f"{barrier['count']} replicas ready in {barrier['timeout_s']} s")
+        time.sleep(0.02)
+
+
+def main(config: dict) -> None:
+    import torchft
+
+    torch.set_num_threads(1)  # the replay computes the same gradients (torchft_job.replay)
+    replica, attempt = config["replica"], config["attempt"]
+    failing = attempt == 0 and config.get("fail") is not None
+    pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=config["pg_timeout_s"]))
+    model = build_model(config.get("model", "small"))
+    if config["impl"] == "pyreducer":
+        from pyreducer.torchft import DistributedDataParallel
+    else:
+        from torchft import DistributedDataParallel
+    holder: dict = {}
+    manager = _manager(config, pg, holder)
+    ddp = DistributedDataParallel(manager, model, bucket_cap_mb=config["bucket_cap_mb"])
+    optimizer = build_optimizer(ddp.parameters())
+    holder.update(model=ddp, optim=optimizer)
+    if failing and config["fail"] != "leave":
+        def hook(grad):
+            if manager.current_step() == config["fail_step"]:
+                _fail_now(config["fail"])
+            return grad
+        ddp.module[0].weight.register_hook(hook)
+    if attempt == 0 and config.get("barrier"):
+        _wait_for_peers(config["barrier"], replica)
+    _train(config, manager, ddp, optimizer, failing)
+    torch.save(dict(replica=replica, attempt=attempt,
+                    params={n: p.detach().clone() for n, p in ddp.module.named_parameters()},
+                    failed_steps=list(getattr(ddp, "failed_steps", []))),
+               config["out"])
+    manager.shutdown(wait=False)
+
+
+def _train(config: dict, manager, ddp, optimizer, failing: bool) -> None:
+    """torchft's protocol until the Manager's step reaches config["steps"], a log line a step."""
+    replica, attempt = config["replica"], config["attempt"]
+    log = open(config["log"], "a")  # one line per attempted step, kept if this life dies
+    while manager.current_step() < config["steps"]:
+        if failing and config["fail"] == "leave" and manager.current_step() == config["fail_step"]:
+            os._exit(3)
+        started = time.time()
+        manager.start_quorum()
+        optimizer.zero_grad()
+        x, y = batch(replica, manager.current_step(), config.get("model", "small"))
+        loss = F.mse_loss(ddp(x), y)
+        loss.backward()
+        # after the quorum: a healing replica's step is its peers' (its batch was not used)
+        step, participants = manager.current_step(), manager.num_participants()
+        participating = manager.is_participating()
+        committed = manager.should_commit()
+        if committed:
+            optimizer.step()
+        log.write(json.dumps(dict(replica=replica, attempt=attempt, step=step,
+                                  participants=participants, participating=participating,
+                                  committed=committed, loss=loss.item(), start=started,
+                                  end=time.time())) + "\n")
+        log.flush()
+        if config.get("pace_s"):
+            time.sleep(config["pace_s"])
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

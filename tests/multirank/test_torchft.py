@@ -1,0 +1,129 @@
+"""pyreducer.torchft under real failures: torchft 0.2's Lighthouse on loopback, one process per
+replica group (pyreducer/testing/torchft_job.py), Gloo, CPU. Against torchft's own DDP where it
+can be the oracle (no failure; a replica that leaves between steps): the same parameters bit for
+bit, at 2 and at 3 replicas (the buckets are the same, so Gloo's ring sums in the same order).
+Where it cannot (a replica dies during the all-reduce: torchft's DDP fails an assertion in its
+hook), against the run in which that replica left before the step instead: the survivors' failed
+attempt at the step is not committed, so the step is then taken exactly as in that run. Where the
+schedule depends on timing (a survivor training on alone until the killed replica rejoins), against
+replay(): the logged schedule recomputed in one process, bit for bit when no step sums more than
+two gradients. Every run is bounded (run_job's timeout_s; the replicas' Gloo timeout, 5 s)."""
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RUST_LOG", "warn")  # the Lighthouse's per-quorum lines, in this process
+pytest.importorskip("torchft", reason="torchft is not installed (pip install '.[torchft]')")
+
+from pyreducer.testing import torchft_job as job  # noqa: E402
+
+STEPS = 10
+FAIL_STEP = 4
+
+
+def _params_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _all_equal(run) -> dict:
+    """Every replica's final parameters, checked equal; returns them."""
+    results = run["results"]
+    assert len(results) == len({e["replica"] for e in run["log"]}), run["lives"]
+    first = results[0]["params"]
+    for replica, result in results.items():
+        assert _params_equal(result["params"], first), f"replica {replica}"
+    return first
+
+
+def _healed_at(run, replica) -> list[int]:
+    """Steps at which `replica`'s restarted life took part without contributing (healing)."""
+    return [e["step"] for e in run["log"] if e["replica"] == replica and e["attempt"] > 0
+            and not e["participating"]]
+
+
+@pytest.fixture(scope="module")
+def left_before_quorum(tmp_path_factory):
+    """Replica 2 of 3 exits before step 4's quorum and is restarted; min_replicas=3, so the
+    survivors take step 4 when it has rejoined (healing): a schedule timing cannot change."""
+    runs = {}
+    for impl in ("pyreducer", "torchft"):
+        runs[impl] = job.run_job(impl, 3, STEPS, tmp_path_factory.mktemp(f"leave_{impl}"),
+                                 fail=dict(replica=2, step=FAIL_STEP, kind="leave"))
+    return runs
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_without_failures_the_parameters_are_torchfts_own_ddps(tmp_path, replicas):
+    ours = job.run_job("pyreducer", replicas, STEPS, tmp_path / "ours")
+    theirs = job.run_job("torchft", replicas, STEPS, tmp_path / "theirs")
+    assert _params_equal(_all_equal(ours), _all_equal(theirs))
+    assert all(e["committed"] for e in ours["log"]), ours["log"]
+    if replicas == 2:  # a sum of two is exact: the replay is the oracle too
+        assert _params_equal(_all_equal(ours), job.replay(ours["log"], STEPS))
+
+
+def test_a_replica_that_leaves_before_the_quorum_heals_and_rejoins(left_before_quorum):
+    ours, theirs = left_before_quorum["pyreducer"], left_before_quorum["torchft"]
+    assert ours["lives"][2] == [3, 0], ours["lives"]  # killed, restarted, finished
+    assert _healed_at(ours, 2) and min(_healed_at(ours, 2)) == FAIL_STEP, ours["log"]
+    assert not ours["results"][0]["failed_steps"]  # no all-reduce failed: it left between steps
+    assert _params_equal(_all_equal(ours), _all_equal(theirs))
+    # three gradients summed at most steps: the replay agrees within float rounding
+    assert _max_diff(_all_equal(ours), job.replay(ours["log"], STEPS)) < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["exit", "sigkill"])
+def test_a_replica_killed_during_the_all_reduce(tmp_path, left_before_quorum, kind):
+    """os._exit / SIGKILL from replica 2's first-layer gradient hook at step 4, with the other
+    buckets' all-reduces in flight: the survivors' attempt at step 4 fails, is reported to the
+    Manager and not committed; they go on with the next quorum, without a restart, and the
+    restarted replica heals and rejoins. The result is the run in which replica 2 left before
+    step 4, bit for bit."""
+    run = job.run_job("pyreducer", 3, STEPS, tmp_path,
+                      fail=dict(replica=2, step=FAIL_STEP, kind=kind))
+    assert run["lives"][2][0] == (3 if kind == "exit" else -9), run["lives"]
+    for survivor in (0, 1):
+        failed = run["results"][survivor]["failed_steps"]
+        assert [f["step"] for f in failed] == [FAIL_STEP], failed
+        assert "all-reduce of bucket" in failed[0]["error"], failed
+        attempts = [e["committed"] for e in run["log"]
+                    if e["replica"] == survivor and e["step"] == FAIL_STEP]
+        assert attempts[0] is False and attempts[-1] is True, attempts
+        assert run["lives"][survivor] == [0]  # never restarted
+    assert min(_healed_at(run, 2)) == FAIL_STEP, run["log"]
+    expected = _all_equal(left_before_quorum["pyreducer"])
+    assert _params_equal(_all_equal(run), expected)
+
+
+def test_a_survivor_trains_on_alone_until_the_killed_replica_rejoins(tmp_path):
+    """min_replicas=1: the survivor does not wait for the restart. Its failed step 4 is taken
+    again alone; the restarted replica heals from it at whichever step it rejoins. The schedule
+    depends on timing, so the oracle is its replay (at most two gradients a step: exact)."""
+    run = job.run_job("pyreducer", 2, STEPS, tmp_path, min_replicas=1,
+                      fail=dict(replica=1, step=FAIL_STEP, kind="sigkill"))
+    assert run["lives"] == {0: [0], 1: [-9, 0]}, run["lives"]
+    assert [f["step"] for f in run["results"][0]["failed_steps"]] == [FAIL_STEP]
+    alone = [e for e in run["log"] if e["replica"] == 0 and e["step"] == FAIL_STEP
+             and e["committed"]]
+    assert alone, run["log"]
+    assert _params_equal(_all_equal(run), job.replay(run["log"], STEPS))
+
+
+def test_a_stalled_replica_is_dropped_never_a_hang(tmp_path):
+    """Replica 1 stops itself (SIGSTOP) during step 4's all-reduce: the survivor's all-reduce
+    fails at the Gloo timeout (5 s), the Lighthouse drops the silent replica (heartbeat timeout
+    2 s), and the survivor finishes alone; the job then kills the stopped process."""
+    run = job.run_job("pyreducer", 2, STEPS, tmp_path, min_replicas=1,
+                      fail=dict(replica=1, step=FAIL_STEP, kind="sigstop"))
+    survivor = [e for e in run["log"] if e["replica"] == 0]
+    assert [e["step"] for e in survivor if e["committed"]] == list(range(STEPS)), survivor
+    stalled = [e for e in survivor if e["step"] == FAIL_STEP and not e["committed"]]
+    assert len(stalled) == 1 and stalled[0]["end"] - stalled[0]["start"] < job.DEFAULTS[
+        "pg_timeout_s"] + 3, stalled
+    assert [f["step"] for f in run["results"][0]["failed_steps"]] == [FAIL_STEP]
+    assert _params_equal(run["results"][0]["params"], job.replay(run["log"], STEPS))

@@ -9,6 +9,10 @@ schedule depends on timing (a survivor training on alone until the killed replic
 replay(): the logged schedule recomputed in one process, bit for bit when no step sums more than
 two gradients. Every run is bounded (run_job's timeout_s; the replicas' Gloo timeout, 5 s)."""
 import os
+import re
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -127,3 +131,47 @@ def test_a_stalled_replica_is_dropped_never_a_hang(tmp_path):
         "pg_timeout_s"] + 3, stalled
     assert [f["step"] for f in run["results"][0]["failed_steps"]] == [FAIL_STEP]
     assert _params_equal(run["results"][0]["params"], job.replay(run["log"], STEPS))
+
+
+GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))), "docs", "pages", "guides", "fault-tolerance.md")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_the_guides_script_runs_with_its_commands(tmp_path):
+    """docs/pages/guides/fault-tolerance.md's train_ft.py, run as the page says: the
+    torchft_lighthouse command, then one torchrun per replica group (its own master port); both
+    groups end at step 200 with the same parameters."""
+    from pyreducer.testing import docs_code, subprocess_env
+
+    block = [b for b in docs_code.blocks(GUIDE, os.path.dirname(GUIDE))
+             if b["kind"] == "not-run" and "test_torchft.py" in b["label"]]
+    assert len(block) == 1, block
+    (tmp_path / "train_ft.py").write_text(block[0]["code"])
+    lighthouse_port = _free_port()
+    lighthouse = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"), "--min_replicas",
+         "2", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000", "--bind",
+         f"[::]:{lighthouse_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = subprocess_env(TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse_port}",
+                         OMP_NUM_THREADS="1")
+    try:
+        groups = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
+             f"--master-port={_free_port()}", "--max-restarts=3", "train_ft.py"],
+            cwd=tmp_path, env=dict(env, REPLICA_GROUP_ID=str(g)), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True) for g in range(2)]
+        outputs = [g.communicate(timeout=100)[0] for g in groups]
+    finally:
+        for process in [lighthouse] + locals().get("groups", []):
+            process.kill()
+            process.wait()
+    finals = [re.findall(r"group (\d) step (\d+) params (\S+)", out) for out in outputs]
+    assert all(len(f) == 1 for f in finals), outputs
+    assert [f[0][1] for f in finals] == ["200", "200"], finals
+    assert finals[0][0][2] == finals[1][0][2], (finals, outputs)

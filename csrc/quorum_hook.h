@@ -16,6 +16,11 @@
 // its should_commit() say no, so the optimizer does not step on this step's gradients), the
 // bucket completes as it is, and the buckets after it are not launched. A step the Manager has
 // already errored (skip_step) reduces nothing, as torchft's allreduce returns its input then.
+// A survivor may still wait in an all-reduce that another survivor gave up at its own failure
+// (Gloo's ring: that replica sends no further chunks of it), until that replica's next quorum
+// rebuilds its group (the old group's connections close) or the Gloo timeout ends the wait:
+// about 2.5 s on emulated hosts (benchmarks/results/torchft_20261129.md). Launching the later
+// buckets anyway did not shorten it (measured), and torch 2.13's Gloo backend cannot be aborted.
 #pragma once
 
 #include <cstdint>

@@ -213,12 +213,12 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _build_reducer(self, plan, caps_per_bucket: bool, **options):
         """The C++ Reducer (bucketing.build_reducer) with this wrapper's DDP options; where
-        `_never_rebuild`, without a plan: torch DDP's first plan of the unused-parameter search
-        (the caps from the start), never rebuilt."""
+        `_never_rebuild`, without a plan: the caps along the reverse of the parameters'
+        definition order (what torch DDP's rebuild finds for layers run in that order), from
+        the model alone, never rebuilt."""
         if plan is None and self._never_rebuild:
-            plan = bucketing.initial_plan(self._params.sizes_bytes, self._params.group_keys,
-                                          self.bucket_caps_bytes, one_bucket=False,
-                                          sparse=self._params.sparse)
+            plan = bucketing.assign_buckets(self._params.sizes_bytes, self._params.group_keys,
+                                            self.bucket_caps_bytes, sparse=self._params.sparse)
         return bucketing.build_reducer(
             self._params, self.process_group, self.bucket_caps_bytes, plan, caps_per_bucket,
             find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,

@@ -21,10 +21,17 @@ healing replica), so the results are torchft's own DDP's.
 What differs from pyreducer's own wrapper, and why:
   - no collective at construction: no quorum exists yet. Replicas start equal by healing (the
     Manager's init_sync), not by a broadcast of rank 0's parameters (there is no fixed rank 0).
-  - the buckets are torch DDP's first-iteration plan of the unused-parameter search (1 MiB first
-    bucket, then the caps), never rebuilt: a rebuild follows an order one rank observed, and a
-    replica that restarts and heals must build the same buckets as those that did not. torchft's
-    own DDP gets the same buckets by turning find_unused_parameters on for that reason alone.
+  - the buckets never rebuild: a rebuild follows an order one rank observed, and a replica that
+    restarts and heals must build the same buckets as those that did not. They are the caps
+    along the reverse of the parameters' definition order, from the model alone: what torch
+    DDP's rebuild finds for layers that run in that order, the order gradients are ready in.
+    (torchft's own DDP keeps torch DDP's first-iteration plan, by turning find_unused_parameters
+    on for that reason alone. That plan walks the definition order, so each bucket but the
+    last holds one layer's bias with the next layer's weight, and is full one layer late: 1.094
+    of plain pyreducer's step on emulated hosts, against 0.999 with these buckets;
+    benchmarks/results/torchft_20261129.md. `bucket_plan=` takes any plan, that one included:
+    tests/multirank/test_torchft.py gives it to compare with torchft's DDP bit for bit at 3
+    replicas.)
   - a failed all-reduce is not an error of backward: it is reported to the Manager, whose
     should_commit() then says no, and the next step's quorum goes on without the lost replica.
     `failed_steps` lists what failed.
@@ -164,7 +171,7 @@ class DistributedDataParallel(_PyreducerDDP):
                          forward_sync_buffers=False, **options)
 
     # -- construction (pyreducer's steps, at this replica's scale) --------------------------------
-    _never_rebuild = True  # torch DDP's plan of the unused-parameter search, as torchft's DDP
+    _never_rebuild = True  # the buckets along the reverse definition order (the module doc)
 
     def _lost_ranks(self, copy: bool = False):
         return failures.Alone()  # the Manager handles the replicas' failures
@@ -175,7 +182,7 @@ class DistributedDataParallel(_PyreducerDDP):
     def _own_comm_hook(self):
         return self._quorum
 
-    # -- each step ----------------------------------------------------------------------------------
+    # -- each step ---------------------------------------------------------------------------------
     def prepare_for_backward(self, output):
         self._begin_step()
         return super().prepare_for_backward(output)
@@ -206,7 +213,7 @@ class DistributedDataParallel(_PyreducerDDP):
         self.failed_steps.append(dict(step=step, error=message))
         self.manager.report_error(RuntimeError(f"pyreducer.torchft: step {step}: {message}"))
 
-    # -- refused ------------------------------------------------------------------------------------
+    # -- refused -----------------------------------------------------------------------------------
     def register_comm_hook(self, state, hook):
         raise RuntimeError("pyreducer.torchft: the Manager's all-reduce is this wrapper's "
                            "communication hook; another cannot be registered")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import select
 import shutil
 import signal
@@ -58,7 +57,7 @@ def run_job(impl: str, replicas: int, steps: int, workdir, min_replicas: int | N
                   heartbeat_timeout_ms=heartbeat_timeout_ms)
     with _placement(link, replicas, quorum, workdir) as place:
         config = dict(DEFAULTS, impl=impl, steps=steps, min_replicas=min_replicas or replicas,
-                      lighthouse=place.lighthouse, **options)
+                      replicas=replicas, lighthouse=place.lighthouse, **options)
         if start_together:
             shutil.rmtree(workdir / "start_barrier", ignore_errors=True)
             config["barrier"] = dict(dir=str(workdir / "start_barrier"), count=replicas,
@@ -213,11 +212,12 @@ def _tail(workdir, replica, attempt, chars=1500) -> str:
     return path.read_text()[-chars:] if path.exists() else "(no output)"
 
 
-def replay(log: list[dict], steps: int) -> dict:
+def replay(log: list[dict], steps: int | None = None) -> dict:
     """The parameters the logged schedule must give, recomputed in one process: at each step,
     the sum of the gradients of the replicas that participated in its committed attempt, on
     their own batches (a healing replica adds zeros), divided by the Manager's participant
-    count, then the optimizer's step. Exact, bit for
+    count, then the optimizer's step, for `steps` steps (None: every step committed in the
+    log). Exact, bit for
     bit, where no step sums more than two gradients (a sum of two is the same in any order);
     beyond that the collective's summation order is not reproduced."""
     from pyreducer.testing import torchft_replica as replica_module
@@ -225,6 +225,8 @@ def replay(log: list[dict], steps: int) -> dict:
     torch.set_num_threads(1)
     model = replica_module.build_model()
     optimizer = replica_module.build_optimizer(model.parameters())
+    if steps is None:
+        steps = max(e["step"] for e in log if e["committed"]) + 1
     for step in range(steps):
         entries = [e for e in log if e["step"] == step and e["committed"] and e["participating"]]
         who = sorted({e["replica"] for e in entries})

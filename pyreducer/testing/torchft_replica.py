@@ -18,7 +18,13 @@ Optional config keys (absent: the tests' loopback job): "model" (a MODELS name; 
 "small"), "host" (this replica's address, for its store and Manager, on emulated hosts; default
 "localhost"), "barrier" ({"dir", "count", "timeout_s"}: a first life waits, its Manager already
 heartbeating, until `count` replicas have reached the loop, so that a job starts with all of
-them in its first quorum rather than healing the late ones in).
+them in its first quorum rather than healing the late ones in), "plan" ("torchft": pyreducer's
+wrapper gets torchft's own DDP's buckets, torchft_plan), "await_rejoin" (seconds: after a step
+that was not committed, and in a restarted life, a replica sleeps that long after each step,
+and trains past `steps` if need be, until a committed step has had every replica in it: the
+restarted replica rejoins the survivor, whatever its restart takes, instead of training alone
+after the survivor is done), "accumulate" (micro-batches a step, all but the last under
+no_sync()).
 """
 from __future__ import annotations
 
@@ -60,6 +66,19 @@ def batch(replica: int, step: int, model: str = "small") -> tuple[torch.Tensor, 
     return torch.randn(size, inputs, generator=gen), torch.randn(size, outputs, generator=gen)
 
 
+def torchft_plan(model: nn.Module, bucket_cap_mb: float) -> list[list[str]]:
+    """The buckets of torchft's own DDP (torch DDP's first-iteration plan of the
+    unused-parameter search, never rebuilt), by parameter name: given to pyreducer's wrapper as
+    `bucket_plan=`, its all-reduces sum as torchft's do, bit for bit at any replica count."""
+    from pyreducer.wrapper import bucketing
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    plan = bucketing.initial_plan([p.numel() * p.element_size() for _, p in named],
+                                  [f"{p.device}:{p.dtype}" for _, p in named],
+                                  bucketing.caps_bytes(bucket_cap_mb, None), one_bucket=False)
+    return [[named[i][0] for i in bucket] for bucket in plan]
+
+
 def build_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
@@ -70,49 +89,31 @@ def _fail_now(kind: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
 
 
-def build_manager(config: dict, holder: dict):
-    """This replica group's torchft Manager (its own store, Gloo, healing over the process
-    group); `holder` gets the wrapper and the optimizer before the first quorum."""
-    import torchft
-    from torchft.checkpointing.pg_transport import PGTransport
-
-    def load_state_dict(state):
-        holder["model"].module.load_state_dict(state["model"])
-        holder["optim"].load_state_dict(state["optim"])
-
-    def state_dict():
-        return dict(model=holder["model"].module.state_dict(),
-                    optim=holder["optim"].state_dict())
-
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    holder["store"] = store
-    pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=config["pg_timeout_s"]))
-    timeout = timedelta(seconds=config["manager_timeout_s"])
-    return torchft.Manager(
-        pg=pg, min_replica_size=config["min_replicas"], load_state_dict=load_state_dict,
-        state_dict=state_dict, replica_id=f"replica_{config['replica']}",
-        store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-        lighthouse_addr=config["lighthouse"], hostname="localhost", timeout=timeout,
-        quorum_timeout=timedelta(seconds=config["quorum_timeout_s"]), connect_timeout=timeout,
-        checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")))
-
-
-def train_step(manager, ddp, optimizer, replica: int) -> dict:
-    """One step of torchft's protocol; what it saw."""
+def train_step(manager, ddp, optimizer, replica: int, model: str, accumulate: int = 1) -> dict:
+    """One step of torchft's protocol; what it saw, and when each phase ended (time.time()).
+    accumulate > 1: as many micro-batches, all but the last under ddp.no_sync()."""
     started = time.time()
     manager.start_quorum()
     optimizer.zero_grad()
-    x, y = batch(replica, manager.current_step())
+    for micro in range(1, accumulate):
+        with ddp.no_sync():
+            x, y = batch(replica + 100 * micro, manager.current_step(), model)
+            F.mse_loss(ddp(x), y).backward()
+    x, y = batch(replica, manager.current_step(), model)
     loss = F.mse_loss(ddp(x), y)
+    forward_end = time.time()  # with the quorum awaited (pyreducer's wrapper)
     loss.backward()
+    backward_end = time.time()  # every bucket reduced
     # after the quorum: a healing replica's step is its peers' (its batch was not used)
     step, participants = manager.current_step(), manager.num_participants()
     participating = manager.is_participating()
     committed = manager.should_commit()
+    commit_end = time.time()
     if committed:
         optimizer.step()
     return dict(step=step, participants=participants, participating=participating,
-                committed=committed, loss=loss.item(), start=started, end=time.time())
+                committed=committed, loss=loss.item(), start=started, forward_end=forward_end,
+                backward_end=backward_end, commit_end=commit_end, end=time.time())
 
 
 def _manager(config: dict, pg, holder: dict):
@@ -170,7 +171,10 @@ def main(config: dict) -> None:
         from torchft import DistributedDataParallel
     holder: dict = {}
     manager = _manager(config, pg, holder)
-    ddp = DistributedDataParallel(manager, model, bucket_cap_mb=config["bucket_cap_mb"])
+    options = dict(bucket_cap_mb=config["bucket_cap_mb"])
+    if config.get("plan") == "torchft" and config["impl"] == "pyreducer":
+        options["bucket_plan"] = torchft_plan(model, config["bucket_cap_mb"])
+    ddp = DistributedDataParallel(manager, model, **options)
     optimizer = build_optimizer(ddp.parameters())
     holder.update(model=ddp, optim=optimizer)
     if failing and config["fail"] != "leave":
@@ -184,7 +188,8 @@ def main(config: dict) -> None:
     _train(config, manager, ddp, optimizer, failing)
     torch.save(dict(replica=replica, attempt=attempt,
                     params={n: p.detach().clone() for n, p in ddp.module.named_parameters()},
-                    failed_steps=list(getattr(ddp, "failed_steps", []))),
+                    failed_steps=list(getattr(ddp, "failed_steps", [])),
+                    timeline=ddp.timeline(2) if hasattr(ddp, "timeline") else None),
                config["out"])
     manager.shutdown(wait=False)
 
@@ -193,26 +198,22 @@ def _train(config: dict, manager, ddp, optimizer, failing: bool) -> None:
     """torchft's protocol until the Manager's step reaches config["steps"], a log line a step."""
     replica, attempt = config["replica"], config["attempt"]
     log = open(config["log"], "a")  # one line per attempted step, kept if this life dies
-    while manager.current_step() < config["steps"]:
+    # await_rejoin: a step failed (or this is a restarted life), and no committed step has had
+    # every replica in it since
+    awaiting = bool(config.get("await_rejoin")) and attempt > 0
+    while manager.current_step() < config["steps"] or awaiting:
         if failing and config["fail"] == "leave" and manager.current_step() == config["fail_step"]:
             os._exit(3)
-        started = time.time()
-        manager.start_quorum()
-        optimizer.zero_grad()
-        x, y = batch(replica, manager.current_step(), config.get("model", "small"))
-        loss = F.mse_loss(ddp(x), y)
-        loss.backward()
-        # after the quorum: a healing replica's step is its peers' (its batch was not used)
-        step, participants = manager.current_step(), manager.num_participants()
-        participating = manager.is_participating()
-        committed = manager.should_commit()
-        if committed:
-            optimizer.step()
-        log.write(json.dumps(dict(replica=replica, attempt=attempt, step=step,
-                                  participants=participants, participating=participating,
-                                  committed=committed, loss=loss.item(), start=started,
-                                  end=time.time())) + "\n")
+        entry = train_step(manager, ddp, optimizer, replica, config.get("model", "small"),
+                           config.get("accumulate", 1))
+        log.write(json.dumps(dict(replica=replica, attempt=attempt, **entry)) + "\n")
         log.flush()
+        if config.get("await_rejoin") and not failing:
+            everyone = entry["committed"] and entry["participating"] and \
+                entry["participants"] == config["replicas"]
+            awaiting = (awaiting or not entry["committed"]) and not everyone
+            if awaiting:  # trains on slowly, and past `steps` if need be, until all are back
+                time.sleep(config["await_rejoin"])
         if config.get("pace_s"):
             time.sleep(config["pace_s"])
 

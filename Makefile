@@ -11,7 +11,8 @@ CMAKE_BUILD := build/cmake
 PYTEST_ARGS ?=
 export MAX_JOBS ?= 2
 
-.PHONY: venv build demo test test-fast test-multirank test-netem cpp-test pytest bench fuzz soak \
+.PHONY: venv build demo test test-fast test-multirank test-netem test-frameworks cpp-test pytest bench \
+        fuzz soak \
         cuda-build cuda-check gpu-test gpu-rehearsal test-torch-oldest docs docs-serve docs-figures \
         docs-screenshots clean
 
@@ -38,11 +39,18 @@ cpp-test: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" cmake --build $(CMAKE_BUILD) -j2
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ctest --test-dir $(CMAKE_BUILD) --output-on-failure
 
+# The whole suite but the frameworks' tests (FRAMEWORK_LAYERS, about 10 minutes here): those run
+# in `make test-frameworks`, and in CI in `make cuda-check`, against torch 2.15.
 pytest: build
-	$(VPY) -m pytest $(PYTEST_ARGS)
+	$(VPY) -m pytest $(foreach t,$(FRAMEWORK_LAYERS),--deselect $(t)) $(PYTEST_ARGS)
 
-# Everything: the C++ tests, then the three pytest layers (tests/conftest.py describes them).
+# The C++ tests, then the three pytest layers (tests/conftest.py describes them), but the
+# frameworks' tests (about 15 minutes on 2 cores).
 test: cpp-test pytest
+
+# Lightning, Accelerate and the HF Trainer (FRAMEWORK_LAYERS), at the test extra's versions.
+test-frameworks: build
+	$(VPY) -m pytest -q $(PYTEST_ARGS) $(FRAMEWORK_LAYERS)
 
 # The unit layer alone: no spawned ranks (a few short subprocesses), seconds.
 test-fast: build

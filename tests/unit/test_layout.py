@@ -35,7 +35,8 @@ def _csrc_files():
 def test_import_loads_the_library_only(tmp_path):
     code = ("import sys, json, pyreducer; "
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('pyreducer', "
-            "'matplotlib', 'torch._dynamo', 'lightning', 'accelerate', 'transformers')))))")
+            "'matplotlib', 'torch._dynamo', 'lightning', 'accelerate', 'transformers', "
+            "'torchft')))))")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(PACKAGE))
     env.pop("PYREDUCER_TRACE", None)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -48,10 +49,10 @@ def test_import_loads_the_library_only(tmp_path):
     # torch.compile's machinery costs ~2 s of CPU per process: loaded when an overlapped
     # optimizer is made (pyreducer/overlap/optimizer.py, _keep_eager), not by the import
     assert not [m for m in loaded if m.startswith("torch._dynamo")], loaded
-    # the framework adapters (pyreducer.lightning, .accelerate, .transformers) load their
-    # framework when imported themselves, never with pyreducer
-    assert not [m for m in loaded if m.startswith(("lightning", "accelerate", "transformers"))], \
-        loaded
+    # the framework adapters (pyreducer.lightning, .accelerate, .transformers) and
+    # pyreducer.torchft load their framework when imported themselves, never with pyreducer
+    assert not [m for m in loaded if m.startswith(("lightning", "accelerate", "transformers",
+                                                   "torchft"))], loaded
 
 
 def test_the_frameworks_tested_are_the_test_extras_pins():

@@ -1,29 +1,18 @@
 """pyreducer.torchft's construction checks: wrong use is refused at construction, naming what is
 wrong and why (no Manager, a process group of one's own, options that need collectives outside
-the quorum's all-reduce, a torchft that is missing or of another version); `import pyreducer`
-loads nothing of torchft. The wrapper under real failures: tests/multirank/test_torchft.py."""
+the quorum's all-reduce, a torchft that is missing or of another version). That `import
+pyreducer` loads nothing of torchft: test_layout.py. The wrapper under real failures:
+tests/multirank/test_torchft.py."""
 import importlib.metadata
-import subprocess
-import sys
 import types
 
 import pytest
 from torch import nn
 
-from pyreducer.testing import subprocess_env
-
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install "
                                                 "'.[torchft]')")
 
 from pyreducer import torchft as ft  # noqa: E402
-
-
-def test_import_pyreducer_loads_nothing_of_torchft():
-    code = ("import sys, pyreducer; from pyreducer import DistributedDataParallel; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchft'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=subprocess_env(), timeout=120, check=True).stdout
-    assert out.strip() == "[]", out
 
 
 def test_a_manager_is_required_first():

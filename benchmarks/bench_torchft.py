@@ -75,6 +75,8 @@ def run_torchft(variant: str, repeat: int, failure: bool, args, tmp: str) -> dic
         job = run_job("pyreducer" if variant == "torchft_pyreducer" else "torchft", args.hosts,
                       args.steps, workdir, min_replicas=max(1, args.hosts - 1), fail=fail,
                       timeout_s=args.timeout, link=args.link, start_together=True,
+                      heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                      join_timeout_ms=args.join_timeout_ms,
                       model=args.model, bucket_cap_mb=args.bucket_cap_mb)
     except (JobError, TimeoutError, RuntimeError, OSError) as error:
         run["error"] = f"{type(error).__name__}: {str(error)[-3000:]}"
@@ -206,14 +208,11 @@ SETTINGS = ("steps", "warmup", "repeats", "fail_repeats", "fail_step", "fail_rep
 
 
 def settings(args) -> dict:
-    import inspect
+    from pyreducer.testing.torchft_job import DEFAULTS
 
-    from pyreducer.testing.torchft_job import DEFAULTS, run_job
-
-    defaults = inspect.signature(run_job).parameters
     return dict({k: getattr(args, k) for k in SETTINGS}, min_replicas=max(1, args.hosts - 1),
-                heartbeat_timeout_ms=defaults["heartbeat_timeout_ms"].default,
-                join_timeout_ms=defaults["join_timeout_ms"].default, torchft_job=DEFAULTS)
+                heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                join_timeout_ms=args.join_timeout_ms, torchft_job=DEFAULTS)
 
 
 def parse_args(argv):
@@ -241,6 +240,10 @@ def parse_args(argv):
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     parser.add_argument("--timeout", type=float, default=300, help="per run, seconds")
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
+                        help="the Lighthouse's: a replica silent this long is dropped")
+    parser.add_argument("--join-timeout-ms", type=int, default=2000,
+                        help="the Lighthouse's wait for stragglers of a valid quorum")
     parser.add_argument("--out", required=True, help="directory for the results")
     args = parser.parse_args(argv)
     if args.quick:

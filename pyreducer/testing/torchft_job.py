@@ -246,6 +246,3 @@ def replay(log: list[dict], steps: int | None = None) -> dict:
         optimizer.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
-
-def committed_steps(log: list[dict], replica: int) -> list[int]:
-    return [e["step"] for e in log if e["replica"] == replica and e["committed"]]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pyreducer.testing.elastic_train import save_checkpoint  # noqa: E402
+from pyreducer.testing.elastic_train import save_checkpoint, wrap  # noqa: E402
 from pyreducer.testing.torchft_replica import batch, build_model, build_optimizer  # noqa: E402
 from pyreducer.wrapper import teardown  # noqa: E402
 
@@ -57,20 +57,7 @@ def lives_before(events: str) -> int:
 
 def build(args, checkpoint):
     """The model (torchft_replica's, or the checkpoint's state), its wrapper and optimizer."""
-    module = build_model(args.model)
-    if checkpoint is not None:
-        module.load_state_dict(checkpoint["model"])
-    if args.impl == "pyreducer":
-        from pyreducer import DistributedDataParallel
-
-        plan = checkpoint["bucket_plan"] if checkpoint is not None else None
-        model = DistributedDataParallel(module, bucket_cap_mb=args.bucket_cap_mb, bucket_plan=plan)
-    else:
-        model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=args.bucket_cap_mb)
-    optimizer = build_optimizer(model.parameters())
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint["optimizer"])
-    return model, optimizer
+    return wrap(build_model(args.model), args, checkpoint, build_optimizer)
 
 
 def arm_failure(model, args, rank: int, attempt: int, at: dict, events: str) -> None:

@@ -49,6 +49,14 @@ def build(args, checkpoint):
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
                                  torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    return wrap(module, args, checkpoint,
+                lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=False))
+
+
+def wrap(module, args, checkpoint, make_optimizer):
+    """`module` (the checkpoint's state loaded into it) wrapped as args.impl says (pyreducer's
+    wrapper replaying the checkpoint's bucket plan, or torch DDP), and its optimizer
+    (make_optimizer(parameters), the checkpoint's state loaded)."""
     if checkpoint is not None:
         module.load_state_dict(checkpoint["model"])
     if args.impl == "pyreducer":
@@ -57,7 +65,7 @@ def build(args, checkpoint):
         model = DistributedDataParallel(module, bucket_cap_mb=args.bucket_cap_mb, bucket_plan=plan)
     else:
         model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=args.bucket_cap_mb)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False)
+    optimizer = make_optimizer(model.parameters())
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
     return model, optimizer

@@ -45,6 +45,12 @@ struct Bucket {
                                        // launched (see Note [Launch order]); empty: none
   size_t chunks_launched = 0;          // this iteration's
   c10::intrusive_ptr<c10::ivalue::Future> future;  // in-flight hook result (with a hook)
+  // The completion stamps of works (one each) or of future (one), null where nothing is
+  // recorded, and the timeline record they go into once waited for (record_iteration -1: none).
+  // See Note [Completion stamps] in timeline.h.
+  std::vector<StampPtr> done_stamps;
+  size_t record_slot = 0;
+  int64_t record_iteration = -1;
   // Sharded buckets (see Note [Sharded buckets] in reducer.h): this rank's 1/world_size of the
   // reduce-scattered sum, elements [rank * n, (rank + 1) * n) of flat; undefined otherwise.
   at::Tensor shard;

@@ -16,29 +16,22 @@ namespace {
 // Launches a collective with `launch()` and attaches allreduce_sum_async's completion time and
 // profiler range to its work.
 template <typename Launch>
-WorkPtr launch_timed(Launch&& launch, std::shared_ptr<std::atomic<int64_t>> done_ns,
+WorkPtr launch_timed(Launch&& launch, StampPtr done,
                      const std::function<std::string()>& label) {
   c10::intrusive_ptr<torch::autograd::profiler::PythonRecordFunction> range;
   if (label && at::hasCallbacks()) {
     range = torch::autograd::profiler::record_function_enter_new(label());
   }
   WorkPtr work = launch();
-  if (done_ns != nullptr || range) {
+  if (done != nullptr || range) {
     c10::intrusive_ptr<c10::ivalue::Future> future;
     try {
       future = work->getFuture();
     } catch (const std::exception&) {
       return work;  // this backend has no futures: completion is known only from wait()
     }
-    if (done_ns != nullptr) {
-      future->addCallback([done_ns](c10::ivalue::Future& /*unused*/) {
-        // The latest completion: the chunks of one bucket share `done_ns`.
-        const int64_t now = Timeline::now_ns();
-        int64_t seen = done_ns->load(std::memory_order_relaxed);
-        while (seen < now &&
-               !done_ns->compare_exchange_weak(seen, now, std::memory_order_release)) {
-        }
-      });
+    if (done != nullptr) {
+      future->addCallback([done](c10::ivalue::Future& /*unused*/) { done->stamp(); });
     }
     if (range) torch::autograd::profiler::_call_end_callbacks_on_fut_new(range, future);
   }
@@ -48,20 +41,20 @@ WorkPtr launch_timed(Launch&& launch, std::shared_ptr<std::atomic<int64_t>> done
 // The SUM all-reduce of `flat` on `group` (a ProcessGroup or a Backend), timed.
 template <typename Group>
 WorkPtr allreduce_sum_timed(const Group& group, at::Tensor& flat,
-                            std::shared_ptr<std::atomic<int64_t>> done_ns,
+                            StampPtr done,
                             const std::function<std::string()>& label) {
   return launch_timed([&] {
     std::vector<at::Tensor> tensors{flat};
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
     return group->allreduce(tensors, options);
-  }, std::move(done_ns), label);
+  }, std::move(done), label);
 }
 
 // The SUM reduce-scatter of `flat` into `shard` on `group` (a ProcessGroup or a Backend), timed.
 template <typename Group>
 WorkPtr reduce_scatter_sum_timed(const Group& group, at::Tensor& shard, at::Tensor& flat,
-                                 std::shared_ptr<std::atomic<int64_t>> done_ns,
+                                 StampPtr done,
                                  const std::function<std::string()>& label) {
   if (flat.numel() != shard.numel() * group->getSize()) {
     throw std::invalid_argument("reduce-scatter: expected a buffer of " +
@@ -78,33 +71,33 @@ WorkPtr reduce_scatter_sum_timed(const Group& group, at::Tensor& shard, at::Tens
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
     return group->_reduce_scatter_base(shard, flat, options);
 #pragma GCC diagnostic pop
-  }, std::move(done_ns), label);
+  }, std::move(done), label);
 }
 
 }  // namespace
 
 WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
-                            std::shared_ptr<std::atomic<int64_t>> done_ns,
+                            StampPtr done,
                             const std::function<std::string()>& label) {
-  return allreduce_sum_timed(group, flat, std::move(done_ns), label);
+  return allreduce_sum_timed(group, flat, std::move(done), label);
 }
 
 WorkPtr allreduce_sum_async(const BackendPtr& backend, at::Tensor& flat,
-                            std::shared_ptr<std::atomic<int64_t>> done_ns,
+                            StampPtr done,
                             const std::function<std::string()>& label) {
-  return allreduce_sum_timed(backend, flat, std::move(done_ns), label);
+  return allreduce_sum_timed(backend, flat, std::move(done), label);
 }
 
 WorkPtr reduce_scatter_sum_async(const ProcessGroupPtr& group, at::Tensor& shard,
-                                 at::Tensor& flat, std::shared_ptr<std::atomic<int64_t>> done_ns,
+                                 at::Tensor& flat, StampPtr done,
                                  const std::function<std::string()>& label) {
-  return reduce_scatter_sum_timed(group, shard, flat, std::move(done_ns), label);
+  return reduce_scatter_sum_timed(group, shard, flat, std::move(done), label);
 }
 
 WorkPtr reduce_scatter_sum_async(const BackendPtr& backend, at::Tensor& shard, at::Tensor& flat,
-                                 std::shared_ptr<std::atomic<int64_t>> done_ns,
+                                 StampPtr done,
                                  const std::function<std::string()>& label) {
-  return reduce_scatter_sum_timed(backend, shard, flat, std::move(done_ns), label);
+  return reduce_scatter_sum_timed(backend, shard, flat, std::move(done), label);
 }
 
 void broadcast_int64s(const ProcessGroupPtr& group, std::vector<int64_t>& values, int64_t root,

@@ -13,6 +13,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "timeline.h"
+
 namespace pyreducer {
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
@@ -26,32 +28,31 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 // Launches an asynchronous SUM all-reduce of `flat` on `group` and returns its work handle at
 // once. Every rank must call it for the same buckets in the same order. Any thread.
-// If `done_ns` is given, the completion time (Timeline::now_ns) is stored there from the
-// communication thread when the work's future completes, unless a later time is there already
-// (several chunks of a bucket share it); the callback keeps `done_ns` alive
-// (it may run after the caller has seen the work complete, even after the caller is gone). If
-// a torch profiler is active, a range named `label` spans launch to completion (`label` is only
-// built then).
+// If `done` is given, it is stamped from the communication thread when the work's future
+// completes; the callback keeps it alive (it may run after the caller has seen the work
+// complete, even after the caller is gone), and the caller stamps it after its wait if the
+// callback has not yet (Note [Completion stamps] in timeline.h). If a torch profiler is
+// active, a range named `label` spans launch to completion (`label` is only built then).
 WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
-                            std::shared_ptr<std::atomic<int64_t>> done_ns = nullptr,
+                            StampPtr done = nullptr,
                             const std::function<std::string()>& label = {});
 
 // The same on one backend of a group's ranks (a sparse gradient's, see Note [Sparse gradients
 // beside Gloo's race] in reducer.h).
 WorkPtr allreduce_sum_async(const BackendPtr& backend, at::Tensor& flat,
-                            std::shared_ptr<std::atomic<int64_t>> done_ns = nullptr,
+                            StampPtr done = nullptr,
                             const std::function<std::string()>& label = {});
 
 // Launches an asynchronous SUM reduce-scatter: `shard` (n elements) receives elements
 // [rank * n, (rank + 1) * n) of the sum of every rank's `flat` (n * world size elements;
-// std::invalid_argument otherwise), on `group` or one `backend` of its ranks. Ordering, `done_ns`
+// std::invalid_argument otherwise), on `group` or one `backend` of its ranks. Ordering, `done`
 // and `label` as allreduce_sum_async. Any thread.
 WorkPtr reduce_scatter_sum_async(const ProcessGroupPtr& group, at::Tensor& shard,
                                  at::Tensor& flat,
-                                 std::shared_ptr<std::atomic<int64_t>> done_ns = nullptr,
+                                 StampPtr done = nullptr,
                                  const std::function<std::string()>& label = {});
 WorkPtr reduce_scatter_sum_async(const BackendPtr& backend, at::Tensor& shard, at::Tensor& flat,
-                                 std::shared_ptr<std::atomic<int64_t>> done_ns = nullptr,
+                                 StampPtr done = nullptr,
                                  const std::function<std::string()>& label = {});
 
 // Overwrites `values` on every rank with rank `root`'s (same length on every rank). The values

@@ -56,9 +56,17 @@ class DeviceTimeline {
   virtual void wait_end(size_t slot) = 0;
   virtual void end(size_t slot) = 0;
   // Records bucket b's done event on a side stream made to wait for `done` (the bucket's work
-  // or hook future), when `done` completes (at once for NCCL). Any thread.
+  // or hook future), when `done` completes (at once for NCCL), unless seal_bucket_done has
+  // recorded it, or the slot was begun again meanwhile (a late callback never writes a later
+  // iteration's event). Any thread.
   virtual void bucket_done(size_t slot, size_t b,
                            const c10::intrusive_ptr<c10::ivalue::Future>& done) = 0;
+  // The Reducer has waited for `done` (completed): records bucket b's done event now if
+  // bucket_done's callback has not yet (see Note [Completion stamps] in timeline.h), so that
+  // the event is recorded when the wait returns. Python or autograd thread, under the
+  // Reducer's lock.
+  virtual void seal_bucket_done(size_t slot, size_t b,
+                                const c10::intrusive_ptr<c10::ivalue::Future>& done) = 0;
   // Waits for the slot's recorded events to complete and returns their times. Python thread,
   // without the Reducer's lock (the caller discards the result if the slot was reused meanwhile);
   // throws if an event cannot be read.

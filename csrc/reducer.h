@@ -380,13 +380,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Launches the collective of bucket b's chunk `chunk` of `chunks` (its elements `flat`): an
   // all-reduce, or a reduce-scatter into its shard (see Note [Sharded buckets]), into
   // bucket.works (or bucket.ring_job).
-  void launch_reduction(size_t b, at::Tensor& flat, size_t chunk, size_t chunks,
-                        std::shared_ptr<std::atomic<int64_t>> done);
+  void launch_reduction(size_t b, at::Tensor& flat, size_t chunk, size_t chunks, StampPtr done);
   void copy_bucket_in(size_t b);  // batched_grad_copy: the whole bucket at once
   void launch_used_map_allreduce();
   bool all_locally_used() const;
   void wait_and_copy_out();
   void wait_bucket(size_t b);      // its result is in bucket.flat afterwards
+  // Bucket b's reduction was waited for: its done time into the record it was launched in, if
+  // that record is still in its slot (Note [Completion stamps] in timeline.h).
+  void record_done(size_t b);
   void copy_out_bucket(size_t b);  // bucket.flat into param.grad (see Note [Reducer iteration])
   void note_local_finite(Bucket& bucket);  // See Note [Finite check]
   void note_reduced_finite(size_t b);       // after wait_bucket(b), before copy_out_bucket(b)

@@ -165,12 +165,18 @@ void Reducer::launch_chunk(size_t b) {
   wait_for_copy_streams(bucket);  // See Note [Streams of a bucket]
   if (first) note_local_finite(bucket);  // See Note [Finite check]
   DeviceTimeline* device = device_recording();
-  std::shared_ptr<std::atomic<int64_t>> done;  // the record's done time, shared with callbacks
+  StampPtr done;  // this collective's completion time (Note [Completion stamps])
   if (armed_ && stats_.comm_start_ns == 0) stats_.comm_start_ns = Timeline::now_ns();
+  if (first) {
+    bucket.done_stamps.clear();
+    bucket.record_iteration = record_ ? record_->iteration : -1;
+  }
   if (record_) {
-    if (first) record_->bucket_launch_ns[b] = Timeline::now_ns();
-    done = std::shared_ptr<std::atomic<int64_t>>(record_->bucket_done_ns,
-                                                 &record_->bucket_done_ns[b]);
+    if (first) {
+      record_->bucket_launch_ns[b] = Timeline::now_ns();
+      bucket.record_slot = record_->slot;
+    }
+    done = std::make_shared<CompletionStamp>();
     if (device && first) device->bucket_launch(record_->slot, b);
   }
   if (!comm_hook_) {
@@ -202,28 +208,26 @@ void Reducer::launch_chunk(size_t b) {
   for (int64_t i : bucket.param_indices) view.parameters.push_back(params_[i]);
   bucket.future = comm_hook_->run(view);
   if (done != nullptr) {
-    bucket.future->addCallback([done](c10::ivalue::Future& /*unused*/) {
-      done->store(Timeline::now_ns(), std::memory_order_release);
-    });
+    bucket.future->addCallback([done](c10::ivalue::Future& /*unused*/) { done->stamp(); });
   }
+  bucket.done_stamps.push_back(std::move(done));
   if (device) device->bucket_done(record_->slot, b, bucket.future);
 }
 
 void Reducer::launch_reduction(size_t b, at::Tensor& flat, size_t chunk, size_t chunks,
-                                std::shared_ptr<std::atomic<int64_t>> done) {
+                                StampPtr done) {
   Bucket& bucket = set_.buckets[b];
-  if (sharded_ && shard_ring_) {  // See Note [Ring collectives on Gloo]
+  if (sharded_ && shard_ring_) {  // See Note [Ring collectives on Gloo]; timed by its job
     bucket.ring_job = shard_ring_->reduce_scatter(flat, bucket.shard,
-                                                  "reduce-scatter of bucket " + std::to_string(b),
-                                                  std::move(done));
+                                                  "reduce-scatter of bucket " + std::to_string(b));
     return;
   }
+  bucket.done_stamps.push_back(done);  // works[k]'s stamp is done_stamps[k]
   if (sharded_) {  // See Note [Sharded buckets]
     auto label = [b] { return "pyreducer.reduce_scatter.bucket_" + std::to_string(b); };
     bucket.works.push_back(
-        shard_backend_
-            ? reduce_scatter_sum_async(shard_backend_, bucket.shard, flat, std::move(done), label)
-            : reduce_scatter_sum_async(group_, bucket.shard, flat, std::move(done), label));
+        shard_backend_ ? reduce_scatter_sum_async(shard_backend_, bucket.shard, flat, done, label)
+                       : reduce_scatter_sum_async(group_, bucket.shard, flat, done, label));
     return;
   }
   auto label = [b, chunk, chunks] {
@@ -231,8 +235,8 @@ void Reducer::launch_reduction(size_t b, at::Tensor& flat, size_t chunk, size_t 
            (chunks > 1 ? ".chunk_" + std::to_string(chunk) : std::string());
   };
   bucket.works.push_back(bucket.sparse && sparse_backend_
-                             ? allreduce_sum_async(sparse_backend_, flat, std::move(done), label)
-                             : allreduce_sum_async(group_, flat, std::move(done), label));
+                             ? allreduce_sum_async(sparse_backend_, flat, done, label)
+                             : allreduce_sum_async(group_, flat, done, label));
 }
 
 void Reducer::launch_used_map_allreduce() {
@@ -369,6 +373,7 @@ void Reducer::wait_bucket(size_t b) {
   note_wait_stream(bucket);
   if (bucket.ring_job) {  // See Note [Ring collectives on Gloo]
     bucket.ring_job->wait();
+    record_done(b);
     return;
   }
   if (!bucket.future) {
@@ -379,7 +384,9 @@ void Reducer::wait_bucket(size_t b) {
                         (bucket.works.size() > 1 ? " (chunk " + std::to_string(k) + " of " +
                                                        std::to_string(bucket.works.size()) + ")"
                                                  : std::string()));
+      if (k < bucket.done_stamps.size() && bucket.done_stamps[k]) bucket.done_stamps[k]->stamp();
     }
+    record_done(b);
     if (bucket.sparse) {  // a sparse all-reduce may return its sum as a new tensor
       const std::vector<at::Tensor> result = bucket.works.front()->result();
       if (!result.empty() && !result.front().is_same(bucket.flat)) {
@@ -392,6 +399,10 @@ void Reducer::wait_bucket(size_t b) {
     if (bucket.future->hasError()) {
       comm_hook_->throw_failure(b, group_->getRank(), bucket.future->tryRetrieveErrorMessage());
     }
+    for (const StampPtr& stamp : bucket.done_stamps) {
+      if (stamp) stamp->stamp();
+    }
+    record_done(b);
     at::Tensor result = comm_hook_->parse_result(bucket.future->value());
     if (!result.is_same(bucket.flat)) {
       if (result.numel() != bucket.flat.numel()) {
@@ -419,6 +430,30 @@ void Reducer::wait_bucket(size_t b) {
       bucket.flat.copy_(bucket.sparse ? result : result.reshape({-1}));
     }
   }
+}
+
+void Reducer::record_done(size_t b) {
+  Bucket& bucket = set_.buckets[b];
+  const int64_t iteration = bucket.record_iteration;
+  bucket.record_iteration = -1;  // once per launch
+  IterationRecord* record = iteration < 0 ? nullptr : timeline_.find(bucket.record_slot, iteration);
+  if (record == nullptr) return;
+  // The last of its collectives (chunks) to complete.
+  int64_t done_ns = bucket.ring_job ? bucket.ring_job->done_ns() : 0;
+  for (const StampPtr& stamp : bucket.done_stamps) {
+    if (stamp) done_ns = std::max(done_ns, stamp->ns());
+  }
+  record->bucket_done_ns[b] = done_ns;
+  if (!device_timeline_) return;
+  c10::intrusive_ptr<c10::ivalue::Future> future = bucket.future;
+  if (!future && !bucket.works.empty()) {
+    try {
+      future = bucket.works.back()->getFuture();
+    } catch (const std::exception&) {
+      return;  // a backend without futures: no device done time (as at the launch)
+    }
+  }
+  if (future) device_timeline_->seal_bucket_done(record->slot, b, future);
 }
 
 void Reducer::copy_out_bucket(size_t b) {

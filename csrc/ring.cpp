@@ -91,19 +91,15 @@ std::shared_ptr<RingJob> RingCollectives::enqueue(std::shared_ptr<RingJob> job,
   return job;
 }
 
-std::shared_ptr<RingJob> RingCollectives::reduce_scatter(
-    at::Tensor flat, at::Tensor shard, std::string what,
-    std::shared_ptr<std::atomic<int64_t>> done_ns) {
+std::shared_ptr<RingJob> RingCollectives::reduce_scatter(at::Tensor flat, at::Tensor shard,
+                                                         std::string what) {
   if (flat.numel() != shard.numel() * world_) {
     throw std::invalid_argument("ring reduce-scatter: expected a buffer of " +
                                 std::to_string(shard.numel() * world_) +
                                 " elements (shard x world size), got " +
                                 std::to_string(flat.numel()));
   }
-  return enqueue([this, flat, shard, done_ns] {
-    run_reduce_scatter(flat, shard);
-    if (done_ns) done_ns->store(Timeline::now_ns(), std::memory_order_release);
-  }, std::move(what));
+  return enqueue([this, flat, shard] { run_reduce_scatter(flat, shard); }, std::move(what));
 }
 
 std::shared_ptr<RingJob> RingCollectives::all_gather(at::Tensor flat, std::string what) {

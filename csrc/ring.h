@@ -123,11 +123,9 @@ class RingCollectives {
 
   // Enqueues the SUM reduce-scatter of `flat` (n x world size elements) into `shard` (n): rank
   // r's shard receives elements [r n, (r + 1) n) of the sum, summed in Gloo's all-reduce order
-  // where n is shard_numel (bucket.h) of the elements before the padding. `done_ns` (may be
-  // null) gets the completion time (Timeline::now_ns). Every rank enqueues the same jobs in the
-  // same order. Any thread.
-  std::shared_ptr<RingJob> reduce_scatter(at::Tensor flat, at::Tensor shard, std::string what,
-                                          std::shared_ptr<std::atomic<int64_t>> done_ns = nullptr);
+  // where n is shard_numel (bucket.h) of the elements before the padding (its completion time:
+  // RingJob::done_ns). Every rank enqueues the same jobs in the same order. Any thread.
+  std::shared_ptr<RingJob> reduce_scatter(at::Tensor flat, at::Tensor shard, std::string what);
 
   // Enqueues the all-gather of every rank's chunk of `flat` (rank r's: elements [r n, (r+1) n))
   // into every rank's `flat`, in place. Ordering as reduce_scatter. Any thread.

@@ -4,6 +4,13 @@
 
 namespace pyreducer {
 
+void CompletionStamp::stamp() { stamp_at(Timeline::now_ns()); }
+
+void CompletionStamp::stamp_at(int64_t ns) {
+  int64_t unset = 0;
+  ns_.compare_exchange_strong(unset, ns, std::memory_order_acq_rel);
+}
+
 Timeline::Timeline(size_t capacity, size_t num_params) : slots_(capacity) {
   for (size_t i = 0; i < slots_.size(); ++i) {
     IterationRecord& slot = slots_[i];
@@ -11,8 +18,7 @@ Timeline::Timeline(size_t capacity, size_t num_params) : slots_(capacity) {
     slot.grad_ready_ns.assign(num_params, 0);
     slot.bucket_ready_ns.assign(num_params, 0);
     slot.bucket_launch_ns.assign(num_params, 0);
-    slot.bucket_done_ns = std::shared_ptr<std::atomic<int64_t>[]>(
-        new std::atomic<int64_t>[num_params]());
+    slot.bucket_done_ns.assign(num_params, 0);
   }
 }
 
@@ -30,9 +36,7 @@ IterationRecord* Timeline::begin(int64_t iteration, int64_t plan_version, size_t
   std::fill(slot.grad_ready_ns.begin(), slot.grad_ready_ns.end(), 0);
   std::fill(slot.bucket_ready_ns.begin(), slot.bucket_ready_ns.end(), 0);
   std::fill(slot.bucket_launch_ns.begin(), slot.bucket_launch_ns.end(), 0);
-  for (size_t b = 0; b < slot.grad_ready_ns.size(); ++b) {
-    slot.bucket_done_ns[b].store(0, std::memory_order_relaxed);
-  }
+  std::fill(slot.bucket_done_ns.begin(), slot.bucket_done_ns.end(), 0);
   return &slot;
 }
 
@@ -49,9 +53,8 @@ EventTimes host_times(const IterationRecord& record) {
                                record.bucket_ready_ns.begin() + buckets);
   times.bucket_launch_ns.assign(record.bucket_launch_ns.begin(),
                                 record.bucket_launch_ns.begin() + buckets);
-  for (size_t b = 0; b < buckets; ++b) {
-    times.bucket_done_ns.push_back(record.bucket_done_ns[b].load(std::memory_order_acquire));
-  }
+  times.bucket_done_ns.assign(record.bucket_done_ns.begin(),
+                              record.bucket_done_ns.begin() + buckets);
   return times;
 }
 

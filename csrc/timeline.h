@@ -10,8 +10,20 @@
 //   wait_start/end  around the final wait for all buckets (without find_unused_parameters, bucket
 //                   b is written back inside it, while later buckets are still in flight);
 //                   finalize_end: all gradients written back.
-// Slots are allocated once, sized for the worst case (one bucket per parameter), so recording
-// allocates nothing after construction, also across a bucket rebuild.
+// Slots are allocated once, sized for the worst case (one bucket per parameter), so a record
+// allocates nothing after construction, also across a bucket rebuild; each recorded collective
+// allocates its completion stamp (Note [Completion stamps]) at its launch, beside its work.
+//
+// Note [Completion stamps]
+// A collective's completion time is stamped by a callback on its future, on the thread that
+// completes it. c10's Future::markCompleted wakes the waiters before it runs the callbacks, and
+// callbacks registered before the Reducer's (a user's, torchft's, a hook's continuation's) run
+// first, so the wait at the end of backward can return before the stamp is written. So each
+// collective's CompletionStamp is written once, by whichever comes first: its callback, or the
+// waiter as soon as its wait returned (the earlier time wins; both are after the completion).
+// The Reducer reads a bucket's stamps only after waiting for it, and writes the record's done
+// time itself, under its lock, before the wait returns: a finished step's timeline is final, and
+// a late callback writes only its own stamp, never a record slot a later iteration has reused.
 #pragma once
 
 #include <atomic>
@@ -36,10 +48,25 @@ struct IterationRecord {
   std::vector<int64_t> grad_ready_ns;     // per parameter; 0 = not ready in this iteration
   std::vector<int64_t> bucket_ready_ns;   // per bucket (capacity: one per parameter)
   std::vector<int64_t> bucket_launch_ns;
-  // Set from the communication thread by a future's callback, which may run after the Reducer
-  // has seen the work complete (and after the Reducer is gone): the callback holds a share.
-  std::shared_ptr<std::atomic<int64_t>[]> bucket_done_ns;
+  // Written by the waiter once the bucket's reduction was waited for (Note [Completion stamps]).
+  std::vector<int64_t> bucket_done_ns;
 };
+
+// One collective's completion time (see Note [Completion stamps]); shared by the callback that
+// stamps it and the Reducer, either of which may go first.
+class CompletionStamp {
+ public:
+  // Stores Timeline::now_ns() unless a time is there already: the first writer wins. Any thread.
+  void stamp();
+  // Stores `ns` unless a time is there already (a time taken elsewhere). Any thread.
+  void stamp_at(int64_t ns);
+  // The time, 0 before the first stamp. Any thread.
+  int64_t ns() const { return ns_.load(std::memory_order_acquire); }
+
+ private:
+  std::atomic<int64_t> ns_{0};
+};
+using StampPtr = std::shared_ptr<CompletionStamp>;
 
 class Timeline {
  public:
@@ -65,6 +92,12 @@ class Timeline {
   // The record in ring slot `slot` (null past the end). Caller holds the Reducer's mutex.
   const IterationRecord* at(size_t slot) const {
     return slot < slots_.size() ? &slots_[slot] : nullptr;
+  }
+  // The record of iteration `iteration` if ring slot `slot` still holds it, else null (the slot
+  // was reused, or recording is off). Caller holds the Reducer's mutex.
+  IterationRecord* find(size_t slot, int64_t iteration) {
+    if (slot >= slots_.size() || slots_[slot].iteration != iteration) return nullptr;
+    return &slots_[slot];
   }
 
   size_t capacity() const { return slots_.size(); }

@@ -1,11 +1,13 @@
 // What timeline recording costs the Reducer per iteration, measured without Python (the Timeline
 // of csrc/timeline.h alone, linked with the core): one simulated iteration does what the Reducer
-// does per iteration (begin, one stamp per gradient, three per bucket, four at the end).
+// does per iteration (begin, one stamp per gradient, three per bucket and its collective's
+// completion stamp, four at the end).
 //
 //   build/cmake/bench_timeline_recording NUM_PARAMS NUM_BUCKETS [ITERATIONS]
 // prints the mean nanoseconds per iteration (benchmarks/bench_timeline_overhead.py runs it).
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 
 #include "reducer.h"
@@ -25,7 +27,9 @@ double recording_cost_ns(size_t num_params, size_t num_buckets, size_t iteration
     for (size_t b = 0; b < num_buckets; ++b) {
       r->bucket_ready_ns[b] = Timeline::now_ns();
       r->bucket_launch_ns[b] = Timeline::now_ns();
-      r->bucket_done_ns[b].store(Timeline::now_ns(), std::memory_order_release);
+      auto done = std::make_shared<pyreducer::CompletionStamp>();  // one per collective
+      done->stamp();
+      r->bucket_done_ns[b] = done->ns();
     }
     r->backward_end_ns = Timeline::now_ns();
     r->wait_start_ns = Timeline::now_ns();

@@ -42,6 +42,11 @@ struct Slot {
 
   std::vector<at::cuda::CUDAEvent> fixed, grad, ready, launch, done;
   std::unique_ptr<std::atomic<uint8_t>[]> recorded;  // fixed, then grad, ready, launch, done
+  // Done events: written by a future's callback or by the waiter, whichever comes first, and
+  // never by a callback of an earlier iteration of this slot (Note [Completion stamps]).
+  std::mutex done_mutex;
+  uint64_t generation = 0;           // begin() calls so far
+  std::vector<uint8_t> done_claimed;  // per bucket, this generation
 };
 
 // How long read() waits for a slot's events: they belong to completed iterations, so they are
@@ -77,6 +82,11 @@ class CudaTimeline : public DeviceTimeline {
 
   void begin(size_t slot) override {
     Slot& s = *slots_[slot];
+    {
+      const std::lock_guard<std::mutex> lock(s.done_mutex);
+      s.generation += 1;
+      s.done_claimed.assign(num_params_, 0);
+    }
     for (size_t i = 0; i < Slot::kFixed + 4 * num_params_; ++i) {
       s.recorded[i].store(0, std::memory_order_relaxed);
     }
@@ -103,15 +113,27 @@ class CudaTimeline : public DeviceTimeline {
                    const c10::intrusive_ptr<c10::ivalue::Future>& done) override {
     // The slot is held by shared_ptr: a late callback never touches freed events.
     std::shared_ptr<Slot> s = slots_[slot];
+    uint64_t generation = 0;
+    {
+      const std::lock_guard<std::mutex> lock(s->done_mutex);
+      generation = s->generation;
+    }
     const size_t flag = Slot::kFixed + 3 * num_params_ + b;
     const c10::cuda::CUDAStream side = side_;
-    done->addCallback([s, b, flag, side](c10::ivalue::Future& future) {
-      c10::cuda::CUDAStreamGuard guard(side);
-      s->launch[b].block(side);  // done never before launch, also for a future without events
-      future.wait();  // completed: makes the side stream wait for the communication's events
-      s->done[b].record(side);
-      s->recorded[flag].store(1, std::memory_order_release);
+    done->addCallback([s, b, flag, side, generation](c10::ivalue::Future& future) {
+      record_done(*s, b, flag, side, generation, future);
     });
+  }
+
+  void seal_bucket_done(size_t slot, size_t b,
+                        const c10::intrusive_ptr<c10::ivalue::Future>& done) override {
+    Slot& s = *slots_[slot];
+    uint64_t generation = 0;
+    {
+      const std::lock_guard<std::mutex> lock(s.done_mutex);
+      generation = s.generation;
+    }
+    record_done(s, b, Slot::kFixed + 3 * num_params_ + b, side_, generation, *done);
   }
 
   DeviceTimes read(size_t slot, size_t num_params, size_t num_buckets) override {
@@ -138,6 +160,19 @@ class CudaTimeline : public DeviceTimeline {
  private:
   void record(Slot& s, at::cuda::CUDAEvent& event, size_t flag) {
     event.record(c10::cuda::getCurrentCUDAStream(device_));
+    s.recorded[flag].store(1, std::memory_order_release);
+  }
+  // Bucket b's done event, once per generation of the slot: on `side`, after its launch event
+  // and the (completed) future's events.
+  static void record_done(Slot& s, size_t b, size_t flag, const c10::cuda::CUDAStream& side,
+                          uint64_t generation, c10::ivalue::Future& future) {
+    const std::lock_guard<std::mutex> lock(s.done_mutex);
+    if (s.generation != generation || b >= s.done_claimed.size() || s.done_claimed[b]) return;
+    s.done_claimed[b] = 1;
+    c10::cuda::CUDAStreamGuard guard(side);
+    s.launch[b].block(side);  // done never before launch, also for a future without events
+    future.wait();  // completed: makes the side stream wait for the communication's events
+    s.done[b].record(side);
     s.recorded[flag].store(1, std::memory_order_release);
   }
   void fixed(size_t slot, size_t which) {

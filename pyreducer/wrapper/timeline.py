@@ -121,8 +121,9 @@ def iteration_stats(record: dict) -> dict:
     ms = 1e-6
     start, end = record["backward_start_ns"], record["backward_end_ns"]
     buckets = record["buckets"]
-    # A completion is stamped by a callback, which can (rarely) run after the iteration was
-    # recorded as complete: a bucket without one (0) counts as not recorded, not as a negative span.
+    # A completion is in the record once the bucket was waited for (Note [Completion stamps]);
+    # under deferred completion a record is complete before its buckets are: a bucket without
+    # one (0) counts as not recorded, not as a negative span.
     spans = [(b["launch_ns"], b["done_ns"]) for b in buckets]
     recorded = [(launch, done) for launch, done in spans if launch and done >= launch]
     busy = _union_length(recorded)

@@ -1,7 +1,10 @@
 // The device timeline's clock conversion without a GPU (csrc/device_timeline.h,
 // Note [Device timeline]): device event times in ms after the begin event become ns on the host
 // clock, anchored at the host's backward start; events the device did not record become 0.
+// Then the completion stamps (Note [Completion stamps] in timeline.h): the first writer wins,
+// and a record is found by its iteration only while its slot holds it.
 #include <cstdio>
+#include <thread>
 
 #include "device_timeline.h"
 
@@ -41,5 +44,28 @@ int main() {
   const bool ok_short = s.bucket_done_ns == std::vector<int64_t>{a + 1'000'000, 0} &&
                         s.grad_ready_ns == std::vector<int64_t>{0, 0, 0};
   std::printf("%s anchor_device_times with missing events\n", ok_short ? "ok  " : "FAIL");
-  return ok && ok_short ? 0 : 1;
+
+  pyreducer::CompletionStamp stamp;
+  const bool unset = stamp.ns() == 0;
+  stamp.stamp_at(100);
+  stamp.stamp_at(50);  // a later writer (the waiter after a callback, or the reverse) loses
+  stamp.stamp();
+  bool ok_stamp = unset && stamp.ns() == 100;
+  pyreducer::CompletionStamp raced;  // two threads at once: one time wins, and it stays
+  std::thread other([&raced] { raced.stamp(); });
+  raced.stamp();
+  other.join();
+  const int64_t first = raced.ns();
+  raced.stamp();
+  ok_stamp = ok_stamp && first > 0 && raced.ns() == first;
+  std::printf("%s completion stamp: first writer wins\n", ok_stamp ? "ok  " : "FAIL");
+
+  pyreducer::Timeline timeline(/*capacity=*/1, /*num_params=*/2);
+  pyreducer::IterationRecord* one = timeline.begin(1, 0, 2, 10);
+  const bool found = timeline.find(one->slot, 1) == one && timeline.find(one->slot, 2) == nullptr;
+  timeline.begin(2, 0, 2, 20);  // the one slot is reused: iteration 1's record is gone
+  const bool ok_find = found && timeline.find(0, 1) == nullptr && timeline.find(0, 2) != nullptr &&
+                       timeline.find(1, 2) == nullptr;
+  std::printf("%s a record is found only while its slot holds it\n", ok_find ? "ok  " : "FAIL");
+  return ok && ok_short && ok_stamp && ok_find ? 0 : 1;
 }

@@ -122,3 +122,89 @@ def test_trace_command_writes_trace_plots_and_summary(tmp_path):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert "hidden" in (out / "summary.txt").read_text()
+
+
+# A finished step's timeline is final when backward returns (Note [Completion stamps] in
+# csrc/timeline.h). c10's Future wakes its waiters before it runs its callbacks, and callbacks
+# registered before the Reducer's run first: a slow one there holds the Reducer's stamp back
+# past the end of backward. Each hook below registers one (SLOW_S) before returning its future.
+SLOW_S = 0.3
+
+
+def _slow_callback(_future):
+    import time
+
+    time.sleep(SLOW_S)
+
+
+def _threaded_hook(state, bucket):
+    """The future completes on a thread of the hook's own, after the all-reduce."""
+    import threading
+
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    work = dist.all_reduce(buffer, async_op=True)  # launched here: the same order on every rank
+    future = torch.futures.Future()
+    future.add_done_callback(_slow_callback)
+
+    def complete():
+        work.wait()
+        future.set_result(buffer.div_(dist.get_world_size()))
+
+    threading.Thread(target=complete, daemon=True).start()
+    return future
+
+
+def _continuation_hook(state, bucket):
+    """The future is a then() continuation of the all-reduce's (as torch's allreduce_hook's and
+    the quorum hook's)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    continued = future.then(lambda f: f.value()[0].div_(world))
+    continued.add_done_callback(_slow_callback)
+    return continued
+
+
+def late_stamp_worker(rank, world_size, hook_name, keep):
+    import time
+
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing import models
+
+    hook = {"threaded": _threaded_hook, "continuation": _continuation_hook}[hook_name]
+    spec = models.spec("mlp")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(spec.build(), bucket_cap_mb=0.2, timeline_iterations=keep)
+    model.register_comm_hook(None, hook)
+    gen = torch.Generator().manual_seed(rank)
+    at_return, settled = [], []
+    for _ in range(3):
+        spec.loss(model, spec.batch(gen, 16)).backward()
+        at_return.append(model.timeline(last=1)[-1])  # read as soon as backward returned
+    time.sleep(4 * SLOW_S * len(model.bucket_plan()))  # every late callback has run now
+    settled.append(model.timeline(last=1)[-1])
+    return dict(at_return=at_return, settled=settled)
+
+
+@pytest.mark.parametrize("keep", [1, KEEP], ids=["one_slot", "ring"])
+@pytest.mark.parametrize("hook_name", ["threaded", "continuation"])
+def test_completions_are_stamped_before_backward_returns(hook_name, keep):
+    """Every launched bucket's done time is there when backward returns, between its launch and
+    the end of the wait; a callback that runs later does not change a record (with one slot, the
+    next step's)."""
+    from pyreducer.testing import run_ranks
+
+    results = run_ranks(late_stamp_worker, 2, args=(hook_name, keep), timeout_s=180)
+    for rank, result in enumerate(results):
+        for when in ("at_return", "settled"):
+            for rec in result[when]:
+                bad = [(b["index"], b["launch_ns"], b["done_ns"]) for b in rec["buckets"]
+                       if not 0 < b["launch_ns"] <= b["done_ns"] <= rec["wait_end_ns"]]
+                assert not bad, (f"rank {rank}, {when}, iteration {rec['iteration']}: buckets "
+                                 f"(index, launch_ns, done_ns) outside (0, wait_end_ns="
+                                 f"{rec['wait_end_ns']}]: {bad}")
+        assert result["settled"][-1] == result["at_return"][-1], \
+            f"rank {rank}: the last record changed after backward returned"

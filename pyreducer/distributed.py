@@ -574,7 +574,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                 of `optimizer`.
         """
         arguments.refuse_overlap_with(join=self._join_config.enable,
-                                      check_finite=self._reducer_settings["check_finite"])
+                                      check_finite=self._reducer_settings["check_finite"],
+                                      shard=shard,
+                                      skip_unused=self.skip_all_reduce_unused_params)
         self._overlap = (ShardedOptimizer if shard else OverlapOptimizer)(
             optimizer, self.reducer, self._params, self.module, tuning=self._tuning,
             autotune=self._autotune, replacing=self._overlap, **options)

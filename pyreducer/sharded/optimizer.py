@@ -216,6 +216,13 @@ class ShardedOptimizer(OverlapOptimizer):
                 "while the last synced backward's gradients wait for step(): each rank holds "
                 "1/N of them, which the next backward would overwrite. Call optimizer.step() "
                 "or zero_grad() first, or accumulate under model.no_sync()")
+        if torch.is_grad_enabled() and self.due and not self.stepped:
+            raise RuntimeError(
+                f"overlap_optimizer(shard=True): a forward with grad enabled under no_sync() on "
+                f"rank {self.comm.rank} between a synced backward and step(): its gradients "
+                "would add to the parameters' .grad, which the sharded step does not read (it "
+                "steps the reduced shards). Accumulate under no_sync() before the synced "
+                "backward, or run this forward under torch.no_grad()")
         super().forward_starting(tune)
 
     def before_plan_change(self) -> None:
@@ -239,15 +246,26 @@ class ShardedOptimizer(OverlapOptimizer):
 
     def synchronize(self) -> None:
         """After step(): every update done and every parameter gathered. Before: the
-        reductions completed, the shards kept for step()."""
+        reductions completed, the shards kept for step(), and the parameters kept pending
+        (Note [Pending until written]); the next forward, or a synchronize() after step(),
+        writes them."""
         if self.stepped:
             self._run_updates()
             for b in sorted(self.pending):
                 self._finish(b)
         else:
             self.reducer.complete_all()
-            self._release_all()
         self.fences.pass_all()
+
+    # Note [Pending until written]
+    # A sharded bucket's parameters are written from its all-gathered buffer, by _finish_param
+    # for each parameter still pending. So from the backward that reduced a bucket until its
+    # update's gather is written, its parameters stay pending: whatever completes the
+    # reductions between backward and step() (an evaluation forward, state_dict(), a forward of
+    # model.module, synchronize()) only completes them, and reads pass with the unchanged
+    # values; only zero_grad() before step() (a skipped step) takes the parameters off, with
+    # the shards. An update of a bucket whose parameters are not pending would advance the
+    # optimizer state and write no parameter: _run_updates refuses it.
 
     def _release_all(self) -> None:
         """Every pending parameter wears its own class again (its value is unchanged)."""
@@ -275,6 +293,13 @@ class ShardedOptimizer(OverlapOptimizer):
                 if self.current is not None:  # (the timeline's record of this iteration)
                     self.current["memory"] = self.memory_bytes()
                 order = sorted(range(len(self.pieces.flats)), reverse=True)
+                lost = [b for b in order if not self.pending.get(b)]
+                if lost:  # See Note [Pending until written]
+                    raise RuntimeError(
+                        f"overlap_optimizer(shard=True): internal error on rank "
+                        f"{self.comm.rank}: buckets {lost} would be stepped with none of their "
+                        "parameters pending, so their update would never be written; please "
+                        "report this with the script")
                 if self.max_grad_norm is not None:  # every bucket reduced first
                     self.reducer.complete_all()
                     if not self.grads_taken:

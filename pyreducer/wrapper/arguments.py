@@ -269,10 +269,15 @@ def _replaced_step(optimizer):
     return None if getattr(step, "__func__", step) is type(optimizer).step else step
 
 
-def refuse_overlap_with(join: bool, check_finite: bool) -> None:
+def refuse_overlap_with(join: bool, check_finite: bool, shard: bool = False,
+                        skip_unused: bool = False) -> None:
     """What the wrapper cannot combine with an overlapped optimizer, refused by name."""
     if join:
         raise ValueError("pyreducer: overlap_optimizer cannot be created inside join()")
     if check_finite:
         raise ValueError("pyreducer: check_finite=True cannot be combined with "
                          "overlap_optimizer yet (updates run as buckets complete)")
+    if shard and skip_unused:
+        raise ValueError("pyreducer: overlap_optimizer(shard=True) cannot be combined with "
+                         "skip_all_reduce_unused_params=True: a skipped bucket has no "
+                         "reduce-scattered shard to step (use shard=False, or drop the skip)")

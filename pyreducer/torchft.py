@@ -50,6 +50,7 @@ torchft is imported here only: `import pyreducer` does not load it. Versions: SU
 from __future__ import annotations
 
 import importlib.metadata
+import weakref
 from datetime import timedelta
 
 import torch
@@ -165,7 +166,11 @@ class DistributedDataParallel(_PyreducerDDP):
                              "produce sparse gradients; the Manager all-reduces dense buckets")
         self.manager = manager
         self.failed_steps: list[dict] = []  # {"step", "error"} of each step whose all-reduce failed
-        self._quorum = _C.QuorumHook(self._report)
+        # A weak reference: the C++ hook holding this wrapper's bound method would be a cycle the
+        # garbage collector cannot see through (the wrapper, its Reducer and the hooks on the
+        # module's parameters would live forever).
+        report = weakref.WeakMethod(self._report)
+        self._quorum = _C.QuorumHook(lambda message: report() and report()(message))
         options = {k: v for k, v in options.items() if k not in REFUSED}
         super().__init__(module, process_group=local_group(), init_sync=False,
                          forward_sync_buffers=False, **options)

@@ -509,26 +509,34 @@ def test_launch_order_is_the_same_on_every_rank_whatever_the_timing(ranks_once):
 
 
 def released_worker(rank, world_size):
-    """A wrapper with an overlapped optimizer is freed when dropped (no reference cycle through
-    the Reducer's end-of-backward callback)."""
+    """A wrapper is freed when dropped, with no optimizer, an overlapped or a sharded one (no
+    reference cycle through the Reducer's end-of-backward callback), and its module can be
+    wrapped again and trained (the torchft wrapper: tests/multirank/test_torchft.py)."""
     import gc
     import weakref
 
     from pyreducer import DistributedDataParallel
 
-    model = DistributedDataParallel(nn.Linear(8, 2))
-    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    model(torch.randn(3, 8)).sum().backward()
-    opt.step()
-    model.synchronize()
-    refs = (weakref.ref(model), weakref.ref(opt))
-    del model, opt
-    gc.collect()
-    return [r() is None for r in refs]
+    freed = {}
+    module = nn.Linear(8, 2)
+    for kind in ("plain", "overlapped", "sharded"):
+        model = DistributedDataParallel(module)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if kind != "plain":
+            opt = model.overlap_optimizer(opt, shard=kind == "sharded")
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        model(torch.randn(3, 8))  # (the overlapped updates)
+        refs = (weakref.ref(model), weakref.ref(opt))
+        del model, opt
+        gc.collect()
+        freed[kind] = [r() is None for r in refs]
+    return freed
 
 
 def test_dropped_wrapper_is_freed(ranks_once):
-    assert all(all(r) for r in ranks_once(released_worker, 2, ()))
+    for freed in ranks_once(released_worker, 2, ()):
+        assert freed == {kind: [True, True] for kind in ("plain", "overlapped", "sharded")}
 
 
 def events_worker(rank, world_size):

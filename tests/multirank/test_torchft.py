@@ -215,3 +215,35 @@ def test_the_guides_script_runs_with_its_commands(tmp_path):
     assert all(len(f) == 1 for f in finals), outputs
     assert [f[0][1] for f in finals] == ["200", "200"], finals
     assert finals[0][0][2] == finals[1][0][2], (finals, outputs)
+
+
+def dropped_worker(rank, world_size):
+    """A dropped torchft wrapper is freed (its QuorumHook holds its error sink weakly), and its
+    module can be wrapped again and trained."""
+    import gc
+    import weakref
+    from datetime import timedelta
+
+    import torchft
+    from torch import nn
+
+    from pyreducer import DistributedDataParallel as PlainDDP
+    from pyreducer.torchft import DistributedDataParallel
+
+    # A Manager as far as the wrapper's construction reads one (its class and its Gloo group);
+    # a real one needs a Lighthouse, and construction runs no collective.
+    manager = torchft.Manager.__new__(torchft.Manager)
+    manager._pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=5))
+    module = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    ref = weakref.ref(DistributedDataParallel(manager, module, bucket_cap_mb=0.0001))
+    gc.collect()
+    freed = ref() is None
+    again = PlainDDP(module)  # the old wrapper's gradient hooks would refuse this backward
+    again(torch.randn(4, 8)).sum().backward()
+    return dict(freed=freed, trained=all(p.grad is not None for p in module.parameters()))
+
+
+def test_a_dropped_wrapper_is_freed_and_its_module_rewrapped():
+    from pyreducer.testing import run_ranks
+
+    assert run_ranks(dropped_worker, 1, timeout_s=120) == [dict(freed=True, trained=True)]

@@ -323,6 +323,7 @@ void bind_quorum_hook(py::module_& m) {
       .def("begin_step", &QuorumHook::begin_step, py::arg("process_group"),
            py::arg("participants"), py::arg("participating"), RELEASE)
       .def("skip_step", &QuorumHook::skip_step, py::arg("why"), RELEASE)
+      .def("refuse_step", &QuorumHook::refuse_step, py::arg("why"), RELEASE)
       .def("step_error", &QuorumHook::step_error, RELEASE);
 }
 

@@ -53,6 +53,11 @@ class CommHook {
   // Throws the error of bucket `bucket`'s failed future on `rank`: a CollectiveError where the
   // hook fails_by_collective(), else std::runtime_error.
   [[noreturn]] void throw_failure(size_t bucket, int rank, const std::string& error) const;
+  // Every future this hook returned in the last synced backward was waited for (or the
+  // iteration was abandoned): what only that backward needed may go. The Reducer calls it at
+  // the backward's end (under deferred completion, at its last bucket's completion), under its
+  // lock; the hook must not call back into the Reducer. Autograd or Python thread.
+  virtual void backward_ended() {}
 };
 
 // Built-in compression hook, no Python: casts the bucket to `dtype` (float16 or bfloat16) after

@@ -57,6 +57,19 @@ void QuorumHook::skip_step(const std::string& why) {
   step_ = std::move(step);
 }
 
+void QuorumHook::refuse_step(const std::string& why) {
+  auto step = std::make_shared<Step>();
+  step->refused = why.empty() ? "no quorum for this backward" : why;
+  step->error = step->refused;
+  std::lock_guard<std::mutex> lock(mutex_);
+  step_ = std::move(step);
+}
+
+void QuorumHook::backward_ended() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (step_) step_->group.reset();  // run() reads it on the autograd thread of this backward
+}
+
 std::string QuorumHook::step_error() const {
   std::shared_ptr<Step> step;
   {
@@ -71,9 +84,11 @@ std::string QuorumHook::step_error() const {
 FuturePtr QuorumHook::run(GradBucketView& bucket) {
   at::NoGradGuard no_grad;
   std::shared_ptr<Step> step;
+  ProcessGroupPtr group;  // (backward_ended lets the step's go, under mutex_)
   {
     std::lock_guard<std::mutex> lock(mutex_);
     step = step_;
+    if (step) group = step->group;
   }
   at::Tensor buffer = bucket.buffer;
   if (!step) {
@@ -88,7 +103,8 @@ FuturePtr QuorumHook::run(GradBucketView& bucket) {
     if (on_error_) on_error_(message);
     return completed(buffer);
   }
-  if (!step->group || step->failed()) return completed(buffer);  // skipped, or already failed
+  if (!step->refused.empty()) throw std::runtime_error(step->refused);
+  if (!group || step->failed()) return completed(buffer);  // skipped, or already failed
   if (!step->participating) buffer.zero_();
   const size_t index = bucket.index;
   // A copy of the sink: a continuation may run after this hook is gone (a Reducer dropped
@@ -100,7 +116,7 @@ FuturePtr QuorumHook::run(GradBucketView& bucket) {
   };
   WorkPtr work;
   try {
-    work = allreduce_sum_async(step->group, buffer);
+    work = allreduce_sum_async(group, buffer);
   } catch (const std::exception& error) {
     report(error.what());
     return completed(buffer);

@@ -52,6 +52,18 @@ class QuorumHook : public CommHook {
   // step_error() then says. Python thread, between backwards.
   void skip_step(const std::string& why);
 
+  // No quorum stands for the coming backward (none was started, or the last one was used by a
+  // backward that should_commit() has judged): a forward may end without its backward (an
+  // evaluation with grad on), but a bucket that reaches its all-reduce throws
+  // std::runtime_error(why) from the backward, on this replica, before any collective. Python
+  // thread, between backwards.
+  void refuse_step(const std::string& why);
+
+  // See CommHook::backward_ended: the step's process group is let go, so that a dead quorum's
+  // connections close when the Manager replaces its group, not at the next step's begin_step
+  // (a survivor blocked in an all-reduce that another gave up waits for them).
+  void backward_ended() override;
+
   // The first failure of the last step begun ("" if none), and whether it reduced nothing.
   std::string step_error() const;
 
@@ -61,9 +73,10 @@ class QuorumHook : public CommHook {
  private:
   // One step's quorum; the continuations of its buckets hold it.
   struct Step {
-    ProcessGroupPtr group;  // null: skipped
+    ProcessGroupPtr group;  // null: skipped (or, once its backward ended, let go)
     int64_t participants = 0;
     bool participating = false;
+    std::string refused;  // non-empty: refuse_step's message
     std::mutex mutex;
     std::string error;  // the first failure, or why the step was skipped
     // Records `message` as the step's failure; true if it is the first.

@@ -416,12 +416,15 @@ void Reducer::finalize() {
       finite_error = check_finite_reduced();  // See Note [Finite check]; raised at the end
     } catch (const CollectiveError& error) {
       reset_iteration();
+      if (comm_hook_) comm_hook_->backward_ended();
       failure_phase_ = "backward of iteration " + std::to_string(stats_.iteration);
       throw;  // finalize_backward adds the failure context, outside the lock
     } catch (...) {
       reset_iteration();
+      if (comm_hook_) comm_hook_->backward_ended();
       throw;
     }
+    if (comm_hook_) comm_hook_->backward_ended();
   }
   if (dynamic_find_unused()) std::fill(locally_used_.begin(), locally_used_.end(), 0);
   if (rebuild_pending_ && !ready_order_complete_ && !static_first_iteration()) {

@@ -350,6 +350,7 @@ void Reducer::complete_locked(size_t b) {
   if (num_awaiting_ == 0) {
     resolve_used_map();  // also when not needed: the next copy into used_map_ must follow it
     last_stats_.comm_end_ns = Timeline::now_ns();
+    if (comm_hook_) comm_hook_->backward_ended();
   }
 }
 

@@ -42,8 +42,9 @@ all-reduce (the unused-parameter map, the static graph's first reduction, the fi
 bucket autotuning, join), a second communication hook (the Manager's all-reduce is the hook),
 the overlapped and sharded optimizers (their per-bucket updates run before should_commit says
 whether the step counts, and a healing replica loads its peer's state inside should_commit),
-sparse gradients, and torchft process groups other than its ProcessGroupGloo (the all-reduces
-run on the Gloo group inside it; NCCL: not yet).
+sparse gradients, parameters off the CPU, and torchft process groups other than its
+ProcessGroupGloo (the all-reduces run on the Gloo group inside it, CPU tensors only; NCCL: not
+yet). A backward without a quorum of its own raises (Note [One quorum, one backward]).
 
 torchft is imported here only: `import pyreducer` does not load it. Versions: SUPPORTED.
 """
@@ -161,11 +162,20 @@ class DistributedDataParallel(_PyreducerDDP):
         check_options(options)
         _quorum_gloo(manager, torchft)
         named, sparse = reduced_parameters(module, ())
+        for name, param in named:
+            if param.device.type != "cpu":
+                raise ValueError(
+                    f"pyreducer.torchft: parameter {name} is on {param.device}; the quorum's "
+                    "all-reduces run on the Gloo group inside torchft's ProcessGroupGloo, which "
+                    "takes CPU tensors only (torchft's NCCL groups are not supported yet)")
         if any(sparse):
             raise ValueError(f"pyreducer.torchft: {[n for (n, _), s in zip(named, sparse) if s]} "
                              "produce sparse gradients; the Manager all-reduces dense buckets")
         self.manager = manager
         self.failed_steps: list[dict] = []  # {"step", "error"} of each step whose all-reduce failed
+        # (the Manager's quorum future a forward last armed on, and the Manager's (step, commit
+        # failures) then: should_commit() changes one of them; Note [One quorum, one backward])
+        self._quorum_of: tuple | None = None
         # A weak reference: the C++ hook holding this wrapper's bound method would be a cycle the
         # garbage collector cannot see through (the wrapper, its Reducer and the hooks on the
         # module's parameters would live forever).
@@ -194,15 +204,32 @@ class DistributedDataParallel(_PyreducerDDP):
 
     def _begin_step(self) -> None:
         """The quorum of the coming backward, to the QuorumHook; as torchft's allreduce: nothing
-        reduced if the Manager has errored, else this quorum's group and participants."""
+        reduced if the Manager has errored, else this quorum's group and participants. Without
+        a quorum of its own (none started, or the last one already judged by should_commit()),
+        a forward may end without a backward (an evaluation with grad on), but the backward
+        that follows raises before any all-reduce (Note [One quorum, one backward])."""
         manager = self.manager
+        replica = getattr(manager, "_replica_id", None)
+        future = getattr(manager, "_quorum_future", None)
+        if future is None:
+            self._quorum.refuse_step(
+                f"pyreducer.torchft: a backward on replica {replica} with no "
+                "quorum started: call manager.start_quorum() before each step's forward "
+                "(torchft.Optimizer's zero_grad() does)")
+            return
+        judged = (manager.current_step(), getattr(manager, "_commit_failures", 0))
+        if self._quorum_of is not None and self._quorum_of[0] is future and \
+                self._quorum_of[1] != judged:
+            self._quorum.refuse_step(
+                f"pyreducer.torchft: a backward on replica {replica} after "
+                f"should_commit() judged step {self._quorum_of[1][0]}'s quorum, before the "
+                "next start_quorum(): its all-reduce would run on that quorum's group. Call "
+                "manager.start_quorum() (torchft.Optimizer's zero_grad()) before the forward")
+            return
+        self._quorum_of = (future, judged)
         if manager.errored() is not None:
             self._quorum.skip_step(f"the Manager had errored before it: {manager.errored()}")
             return
-        if getattr(manager, "_quorum_future", None) is None:
-            raise RuntimeError("pyreducer.torchft: no quorum was started for this step; call "
-                               "manager.start_quorum() before the forward (torchft.Optimizer's "
-                               "zero_grad() does)")
         manager.wait_quorum()
         participants = manager.num_participants()
         inner = getattr(manager._pg, "_pg", None)
@@ -211,6 +238,16 @@ class DistributedDataParallel(_PyreducerDDP):
             self._quorum.skip_step(f"the quorum could not be used: {why}")
             return
         self._quorum.begin_step(inner, participants, manager.is_participating())
+
+    # Note [One quorum, one backward]
+    # torchft's protocol is one quorum per step: start_quorum(), the forward, the backward whose
+    # all-reduces run on that quorum's group, should_commit(), step(). A forward with grad on
+    # arms the Reducer, and the wrapper hands the hook the quorum then. A forward without a
+    # quorum of its own is legitimate when no backward follows (an evaluation with grad on,
+    # before training or after a step), so it only arms a refusal: the first bucket of a
+    # backward that does follow raises, naming the replica, before any collective. A quorum is
+    # a step's own until should_commit() judged it (the Manager's step, or its count of failed
+    # commits, moved on).
 
     def _report(self, message: str) -> None:
         """The QuorumHook's error sink: the step's first failed all-reduce."""

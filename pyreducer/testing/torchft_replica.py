@@ -24,7 +24,9 @@ that was not committed, and in a restarted life, a replica sleeps that long afte
 and trains past `steps` if need be, until a committed step has had every replica in it: the
 restarted replica rejoins the survivor, whatever its restart takes, instead of training alone
 after the survivor is done), "accumulate" (micro-batches a step, all but the last under
-no_sync()).
+no_sync()), "edges" (pyreducer's wrapper: before the first quorum and after the last
+should_commit(), a forward with grad on, then its backward; what each did goes into the output's
+"edges": Note [One quorum, one backward] in pyreducer/torchft.py).
 """
 from __future__ import annotations
 
@@ -185,13 +187,39 @@ def main(config: dict) -> None:
         ddp.module[0].weight.register_hook(hook)
     if attempt == 0 and config.get("barrier"):
         _wait_for_peers(config["barrier"], replica)
+    edges = {}
+    if config.get("edges"):
+        edges["before_quorum"] = _edge(ddp, replica, config.get("model", "small"))
     _train(config, manager, ddp, optimizer, failing)
-    torch.save(dict(replica=replica, attempt=attempt,
+    if config.get("edges"):
+        edges["after_commit"] = _edge(ddp, replica, config.get("model", "small"))
+    torch.save(dict(replica=replica, attempt=attempt, edges=edges,
                     params={n: p.detach().clone() for n, p in ddp.module.named_parameters()},
                     failed_steps=list(getattr(ddp, "failed_steps", [])),
                     timeline=ddp.timeline(2) if hasattr(ddp, "timeline") else None),
                config["out"])
     manager.shutdown(wait=False)
+
+
+def _edge(ddp, replica: int, model: str) -> dict:
+    """A forward with grad on outside torchft's protocol, then its backward: what each raised
+    (None: nothing), and whether any gradient was written."""
+    outcome = {}
+    x, y = batch(replica, 10_000, model)
+    try:
+        loss = F.mse_loss(ddp(x), y)
+        outcome["forward"] = None
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        outcome["forward"] = f"{type(error).__name__}: {error}"
+        return outcome
+    try:
+        loss.backward()
+        outcome["backward"] = None
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        outcome["backward"] = f"{type(error).__name__}: {error}"
+    for p in ddp.parameters():
+        p.grad = None
+    return outcome
 
 
 def _train(config: dict, manager, ddp, optimizer, failing: bool) -> None:

@@ -247,3 +247,36 @@ def test_a_dropped_wrapper_is_freed_and_its_module_rewrapped():
     from pyreducer.testing import run_ranks
 
     assert run_ranks(dropped_worker, 1, timeout_s=120) == [dict(freed=True, trained=True)]
+
+
+def test_a_backward_without_a_quorum_of_its_own_is_refused_before_any_all_reduce(tmp_path):
+    """Before the first start_quorum() and after the last should_commit(), a forward with grad
+    on (an evaluation) runs, and its backward raises, naming the replica (Note [One quorum, one
+    backward]); the steps between match torchft's own DDP's, bit for bit."""
+    ours = job.run_job("pyreducer", 2, 4, tmp_path / "ours", edges=True)
+    theirs = job.run_job("torchft", 2, 4, tmp_path / "theirs")
+    for replica, result in ours["results"].items():
+        edges = result["edges"]
+        assert edges["before_quorum"]["forward"] is None, edges
+        assert "no quorum started" in edges["before_quorum"]["backward"], edges
+        assert f"replica replica_{replica}" in edges["before_quorum"]["backward"], edges
+        assert edges["after_commit"]["forward"] is None, edges
+        assert "after should_commit() judged step 3's quorum" in \
+            edges["after_commit"]["backward"], edges
+    assert _params_equal(_all_equal(ours), _all_equal(theirs))
+
+
+def test_parameters_off_the_cpu_are_refused_at_construction():
+    """torchft's ProcessGroupGloo takes CPU tensors: a module elsewhere (here on the meta
+    device, standing in for CUDA) is refused by parameter name."""
+    from datetime import timedelta
+
+    import torchft
+    from torch import nn
+
+    from pyreducer.torchft import DistributedDataParallel
+
+    manager = torchft.Manager.__new__(torchft.Manager)  # as far as construction reads one
+    manager._pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=5))
+    with pytest.raises(ValueError, match=r"parameter 0\.weight is on meta"):
+        DistributedDataParallel(manager, nn.Sequential(nn.Linear(4, 4, device="meta")))

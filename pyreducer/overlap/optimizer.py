@@ -38,7 +38,7 @@ import weakref
 import torch
 
 from pyreducer._ext import _C
-from pyreducer.overlap import pending, subset_step
+from pyreducer.overlap import bypass, pending, subset_step
 from pyreducer.overlap.clipping import Clipping
 from pyreducer.overlap.fences import Fences
 from pyreducer.overlap.schedule_tuner import ScheduleTuner
@@ -162,6 +162,8 @@ class OverlapOptimizer(Clipping, torch.optim.Optimizer):
         # module that read the parameter (events(): "module").
         self.names = {id(m): name or "(root)" for name, m in module.named_modules()}
         self.running: list[str] = []
+        self.module = module  # searched for aliases at step() (Note [Reads around the pending
+        # class] in bypass.py)
         self.handles = [m.register_forward_pre_hook(_ModuleHook(self._before_module))
                         for m in module.modules()]
         self.handles += [m.register_forward_hook(_ModuleHook(self._after_module),
@@ -210,6 +212,7 @@ class OverlapOptimizer(Clipping, torch.optim.Optimizer):
                 self._clip()
             subset_step.step_subset(self.optimizer, {id(p) for p in now}, self.settings)
         self.stepped = True
+        self.update_aliased()
         self._step_done()
         return loss
 
@@ -352,6 +355,14 @@ class OverlapOptimizer(Clipping, torch.optim.Optimizer):
 
     def _read(self, b: int, param: torch.Tensor, func) -> None:
         self._update(b, reading=param)
+
+    def update_aliased(self) -> None:
+        """After step(): the pending parameters whose memory a module attribute or buffer shares
+        updated now (Note [Reads around the pending class] in bypass.py)."""
+        pending = [p for p in self.params.tensors if id(p) in self.bucket_of]
+        if pending:
+            for p in bypass.aliased(self.module, pending):
+                self.update_parameter(p)
 
     def _update_all(self) -> None:
         for b in sorted(self.pending):

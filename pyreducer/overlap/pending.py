@@ -33,15 +33,49 @@ def take_off(param: torch.Tensor) -> None:
     del param._pyreducer_overlap
 
 
+# Reads of a tensor's metadata alone (no element): they pass without an update (a framework
+# counting parameters or checking requires_grad between backward and step() would otherwise
+# complete every bucket then). data_ptr() and untyped_storage() are not among them: what reads
+# memory through them (a C++ extension) must see the updated values.
+_METADATA = (torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+             torch.Tensor.requires_grad.__get__, torch.Tensor.is_leaf.__get__,
+             torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__, torch.Tensor.is_cuda.__get__,
+             torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.size, torch.Tensor.dim,
+             torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.element_size,
+             torch.Tensor.is_floating_point, torch.Tensor.get_device,
+             torch.Tensor.storage_offset, torch.Tensor.__len__)
+# The __torch_function__ of torch.Tensor and nn.Parameter: a class that keeps either has no
+# behaviour of its own to run (run_own below).
+_PLAIN = (torch._C._disabled_torch_function_impl, torch.Tensor.__torch_function__.__func__)
+
+
+def is_metadata(func) -> bool:
+    """Whether torch function `func` reads a tensor's metadata only."""
+    return any(func == m for m in _METADATA)  # (a new method-wrapper per access: ==, not is)
+
+
 def _pending_torch_function(cls, func, types, args=(), kwargs=None):
-    """Updates the pending parameters among the arguments, then runs `func` on them."""
+    """Updates the pending parameters among the arguments (unless `func` reads metadata only),
+    then runs `func` on them as their own class would: a parameter class with a
+    __torch_function__ of its own (a quantized or float8 parameter) keeps it while pending."""
     kwargs = kwargs or {}
-    for value in _tensors_in(args, kwargs):
-        overlap = getattr(value, "_pyreducer_overlap", None)
-        if overlap is not None:
-            overlap.update_parameter(value, func)
+    if not is_metadata(func):
+        for value in _tensors_in(args, kwargs):
+            overlap = getattr(value, "_pyreducer_overlap", None)
+            if overlap is not None:
+                overlap.update_parameter(value, func)
+    own_types = tuple(_own_class(t) for t in types)
+    for own in own_types:  # torch's order: subclasses first, then as the arguments come
+        handler = getattr(own.__torch_function__, "__func__", own.__torch_function__)
+        if handler not in _PLAIN:
+            return own.__torch_function__(func, own_types, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
+
+
+def _own_class(cls: type) -> type:
+    """The class a pending class stands for (`cls` itself if it is not one)."""
+    return cls.__mro__[1] if cls.__dict__.get("_pyreducer_pending") else cls
 
 
 def _tensors_in(args, kwargs):

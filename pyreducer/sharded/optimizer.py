@@ -100,6 +100,7 @@ class ShardedOptimizer(OverlapOptimizer):
         self.settings = subset_step.Settings(self.optimizer)
         self.pieces.assign_groups(self.optimizer.param_groups)  # a group added since
         self.stepped = True
+        self.update_aliased()
         if not self.pending:  # every parameter was read since the backward: step now
             self.synchronize()
         self._step_done()

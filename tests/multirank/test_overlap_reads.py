@@ -420,3 +420,99 @@ def test_step_hooks_run_once_per_step_and_a_scheduler_on_the_wrapped_optimizer_w
             r["ours_sub"]["calls"]
         assert all(torch.equal(a, b) for a, b in zip(r["ours_sub"]["params"],
                                                      r["torch_sub"]["params"]))
+
+
+class _Aliased(nn.Module):
+    """Reads a view of the last layer's weight, kept in an attribute since construction (and in
+    a list), before the last layer runs: a read that bypasses the pending parameter's class
+    (Note [Reads around the pending class] in pyreducer/overlap/bypass.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.view = self.last.weight.detach()[:, :4]  # a plain tensor sharing its memory
+        self.held = [self.last.bias.data]
+
+    def forward(self, x):
+        side = x[:, :4] @ self.view.t() + self.held[0]
+        return self.last(torch.tanh(self.first(x))) + side
+
+
+class _Halved(nn.Parameter):
+    """A parameter class with a __torch_function__ of its own (as quantized or float8 parameter
+    classes have): F.linear sees half its value."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            x, weight, *rest = args
+            args = (x, weight * 0.5, *rest)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _ReadsHalvedHead(nn.Module):
+    """Reads its head's parameters itself, first (the head's forward never runs, so no forward
+    hook updates them before): the read goes through the pending class."""
+
+    def __init__(self):
+        super().__init__()
+        self.head, self.other = nn.Linear(8, 2), nn.Linear(8, 2)
+        self.head.weight = _Halved(self.head.weight.detach().clone())
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.head.weight, self.head.bias) + self.other(x)
+
+
+def _with_halved_weight():
+    torch.manual_seed(0)
+    return _ReadsHalvedHead()
+
+
+def bypass_worker(rank, world_size, shard):
+    """Each model trained with torch DDP and with the overlapped (or sharded) optimizer: the
+    outputs of every forward and the parameters at the end are equal; metadata reads after
+    step() leave the updates pending."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    out = {}
+    for case, build in (("alias", lambda: (torch.manual_seed(0), _Aliased())[1]),
+                        ("own_torch_function", _with_halved_weight)):
+        for name, cls in (("torch", TorchDDP), ("ours", DistributedDataParallel)):
+            module = build()  # (the same seed: the same values)
+            model = cls(module, bucket_cap_mb=0.0001)
+            opt = torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
+            if name == "ours":
+                opt = model.overlap_optimizer(opt, schedule="fifo", shard=shard)
+            gen = torch.Generator().manual_seed(rank)
+            outputs, still_pending = [], []
+            for step in range(4):
+                y = model(torch.randn(4, 8, generator=gen))
+                outputs.append(y.detach().clone())
+                y.pow(2).sum().backward()
+                opt.step()
+                # (every other step: the forward after the others reads pending parameters)
+                if name == "ours" and case == "own_torch_function" and step % 2:
+                    before = len(model.reducer.pending_buckets())
+                    [(tuple(p.shape), p.numel(), p.dim(), p.requires_grad, p.dtype, p.device,
+                      p.is_leaf, p.stride(), p.is_contiguous()) for p in model.parameters()]
+                    still_pending.append((before, sum(
+                        type(p).__name__.startswith("Pending") for p in model.parameters())))
+                opt.zero_grad()
+            model(X)
+            out[case, name] = dict(outputs=outputs, still_pending=still_pending,
+                                   params=[p.detach().clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["overlapped", "sharded"])
+def test_reads_around_the_pending_class_see_the_update(ranks_once, shard):
+    for rank, r in enumerate(ranks_once(bypass_worker, 2, (shard,))):
+        for case in ("alias", "own_torch_function"):
+            ours, theirs = r[case, "ours"], r[case, "torch"]
+            assert _equal(ours["outputs"], theirs["outputs"]), f"rank {rank}, {case}: outputs"
+            assert _equal(ours["params"], theirs["params"]), f"rank {rank}, {case}: parameters"
+        pending = r["own_torch_function", "ours"]["still_pending"]
+        assert pending and all(buckets > 0 and params > 0 for buckets, params in pending), \
+            f"rank {rank}: metadata reads completed the updates: {pending}"

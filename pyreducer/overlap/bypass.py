@@ -8,8 +8,9 @@ memory without a torch function on the parameter itself, and would see the value
 update; each is made correct here, or said in the guide where it cannot be seen:
   - an alias taken before step(): a view or .data kept in a module's attribute or buffer
     (`self.w = self.weight[:, :k]`, read by another module), which shares the parameter's
-    memory and is a plain tensor. At step(), the wrapped module's attributes (tensors, and
-    tensors in lists, tuples and dicts one level down) and buffers are searched for tensors
+    memory and is a plain tensor. At step(), the attributes and buffers of the wrapped
+    module's modules (as they were when the overlapped optimizer was made: those its forward
+    hooks are on), tensors and tensors in lists, tuples and dicts, are searched for tensors
     sharing a reduced parameter's memory; those parameters are updated at once (their buckets'
     overlap is given up, their values are torch DDP's after step()). An alias taken after
     step() is taken by a torch function on the parameter, which updates it first.
@@ -25,35 +26,32 @@ import torch
 from torch import nn
 
 
-def _storage(tensor: torch.Tensor) -> int:
-    """Where a tensor's memory is, without running a pending parameter's update."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return tensor.untyped_storage().data_ptr() if tensor.numel() else 0
+_SKIPPED = frozenset(("_parameters", "_modules"))  # (the _buffers dict is searched)
 
 
-def _held_tensors(value):
-    """The tensors in an attribute's value: itself, or in a list, tuple or dict one level down."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        yield from (v for v in value if isinstance(v, torch.Tensor))
-    elif isinstance(value, dict):
-        yield from (v for v in value.values() if isinstance(v, torch.Tensor))
-
-
-def aliased(module: nn.Module, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The parameters among `params` whose memory a module attribute or buffer of `module`
-    shares (a view or .data of it, not the parameter itself), in `params`' order."""
-    where = {}
-    for p in params:
-        ptr = _storage(p)
-        if ptr:
-            where.setdefault(ptr, []).append(p)
+def aliased(modules: list[nn.Module], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters among `params` whose memory an attribute or buffer of one of `modules`
+    shares (a view or .data of it, not a parameter), in `params`' order: attributes holding a
+    tensor, or tensors in a list, tuple or dict. Runs at every step(): kept to one pass over
+    the modules' attributes (0.8 ms for a 12-layer GPT-2's 164 modules, on this project's
+    2-core machine)."""
+    held: list[torch.Tensor] = []
+    for m in modules:
+        for key, value in vars(m).items():
+            if isinstance(value, torch.Tensor):
+                held.append(value)
+            elif value and isinstance(value, (list, tuple, dict)) and key not in _SKIPPED:
+                held.extend(v for v in (value.values() if isinstance(value, dict) else value)
+                            if isinstance(v, torch.Tensor))
     found: dict[int, torch.Tensor] = {}
-    for m in module.modules():
-        # (vars(m) holds its _parameters and _buffers dicts too)
-        for tensor in (t for value in vars(m).values() for t in _held_tensors(value)):
-            for p in where.get(_storage(tensor), ()):
-                if tensor is not p:
+    # (no pending parameter's update runs for these reads of where memory is)
+    with torch._C.DisableTorchFunctionSubclass():
+        where: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            if p.numel():
+                where.setdefault(p.untyped_storage().data_ptr(), []).append(p)
+        for tensor in held:
+            if tensor.numel() and not isinstance(tensor, nn.Parameter):
+                for p in where.get(tensor.untyped_storage().data_ptr(), ()):
                     found[id(p)] = p
     return [p for p in params if id(p) in found]

@@ -162,12 +162,12 @@ class OverlapOptimizer(Clipping, torch.optim.Optimizer):
         # module that read the parameter (events(): "module").
         self.names = {id(m): name or "(root)" for name, m in module.named_modules()}
         self.running: list[str] = []
-        self.module = module  # searched for aliases at step() (Note [Reads around the pending
-        # class] in bypass.py)
+        # (searched for aliases at step(): Note [Reads around the pending class] in bypass.py)
+        self.modules = list(module.modules())
         self.handles = [m.register_forward_pre_hook(_ModuleHook(self._before_module))
-                        for m in module.modules()]
+                        for m in self.modules]
         self.handles += [m.register_forward_hook(_ModuleHook(self._after_module),
-                                                 always_call=True) for m in module.modules()]
+                                                 always_call=True) for m in self.modules]
         self.handles.append(module.register_forward_pre_hook(_ModuleHook(self._before_root)))
         self.handles.append(module.register_state_dict_pre_hook(_ModuleHook(self._synchronize_for)))
 
@@ -361,7 +361,7 @@ class OverlapOptimizer(Clipping, torch.optim.Optimizer):
         updated now (Note [Reads around the pending class] in bypass.py)."""
         pending = [p for p in self.params.tensors if id(p) in self.bucket_of]
         if pending:
-            for p in bypass.aliased(self.module, pending):
+            for p in bypass.aliased(self.modules, pending):
                 self.update_parameter(p)
 
     def _update_all(self) -> None:

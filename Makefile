@@ -204,11 +204,13 @@ soak: build
 	$(VPY) -m pyreducer soak --steps $(SOAK_STEPS) --json $(SOAK_OUT)/step.json --plot $(SOAK_OUT)/step.png
 	$(VPY) -m pyreducer soak --steps $(SOAK_STEPS) --overlap --json $(SOAK_OUT)/overlap.json --plot $(SOAK_OUT)/overlap.png
 
-# Differential fuzzing against torch DDP (tests/multirank/test_fuzz.py runs a 40-case slice).
+# Differential fuzzing against torch DDP, of models and options, then of user actions around the
+# overlapped and sharded steps (tests/multirank/test_fuzz.py runs slices of 40 and 150 cases).
 FUZZ_CASES ?= 500
 FUZZ_SEED ?= 1
 fuzz: build
 	$(VPY) -m pyreducer fuzz --cases $(FUZZ_CASES) --seed $(FUZZ_SEED) --json fuzz.json
+	$(VPY) -m pyreducer fuzz --actions --cases $(FUZZ_CASES) --seed $(FUZZ_SEED) --json fuzz_actions.json
 
 clean:
 	rm -rf build site pyreducer/_C*.so

@@ -42,6 +42,8 @@ class ShardedOptimizer(OverlapOptimizer):
         self.index = {id(p): i for i, p in enumerate(params.tensors)}
         self.due = False  # a synced backward's reduced shards wait for step() (or zero_grad())
         self.grads_taken = False  # the pieces' .grad already view those shards (a clip took them)
+        self.cleared: dict[int, bool] = {}  # id -> whether it was a bucket view: parameters
+        # whose .grad the update set to None without a zero_grad() asking (see zero_grad())
         self.gathers: dict[int, tuple] = {}  # bucket -> (its parameters' all-gather in flight,
         # its timeline event)
         self.plans: tuple = (None, {})  # (layout, {bucket: its GatherPlan}), made when first used
@@ -114,6 +116,28 @@ class ShardedOptimizer(OverlapOptimizer):
             self._release_all()
             self.due = False
         super().zero_grad(set_to_none, params)
+        # A parameter whose .grad the update let go without a zero_grad() (Note [Sharded step])
+        # had a gradient with torch's step, which zero_grad(set_to_none=False) makes zeros: in
+        # its bucket's slot where it was a bucket view (the next backward then divides it in
+        # place, as torch DDP does a view, not while copying: the roundings differ at 3 ranks).
+        if params is None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for p in params:
+            viewed = self.cleared.pop(id(p), None)
+            if viewed is not None and not set_to_none and p.grad is None:
+                p.grad = self._zeroed_slot(p) if viewed else torch.zeros_like(p)
+
+    def _zeroed_slot(self, param: torch.Tensor) -> torch.Tensor:
+        """`param`'s slot in its bucket's buffer, zeroed, laid out as `param` (its gradient as a
+        bucket view), once its bucket's gather no longer sends from there."""
+        b, begin, _ = self.pieces.slot(self.index[id(param)])
+        gather, _ = self.gathers.get(b, (None, None))
+        if gather is not None:
+            gather.wait_all()
+        flat = self.pieces.flats[b]
+        with torch.no_grad():
+            slot = flat.as_strided(param.size(), param.stride(), flat.storage_offset() + begin)
+            return slot.zero_()
 
     @property
     def state(self):
@@ -159,6 +183,7 @@ class ShardedOptimizer(OverlapOptimizer):
     # -- reductions and updates ------------------------------------------------------------------
     def _backward_ended(self) -> None:
         super()._backward_ended()
+        self.cleared.clear()  # (a backward gave them gradients again)
         if self.pending:
             self.due = True
             self.grads_taken = False
@@ -386,9 +411,14 @@ class ShardedOptimizer(OverlapOptimizer):
                 self.pieces.write_param(i)
         finally:
             self.busy = False
+        asked = id(param) in self.to_zero
         set_to_none = self.to_zero.pop(id(param), True)  # no zero_grad() since step(): None,
         if set_to_none:                                   # as if it was called (Note [Sharded
-            param.grad = None                             # step])
+            if not asked and i not in set(self.reducer.globally_unused()):  # step])
+                self.cleared[id(param)] = param.grad is not None and \
+                    param.grad.untyped_storage().data_ptr() == \
+                    self.pieces.flats[b].untyped_storage().data_ptr()  # (a bucket view)
+            param.grad = None
         elif param.grad is not None:
             if gather is not None and param.grad.untyped_storage().data_ptr() == \
                     self.pieces.flats[b].untyped_storage().data_ptr():

@@ -97,7 +97,8 @@ def fuzz_main(args) -> int:
 
     if args.cases < 1 or args.batch < 1:
         raise InputError(f"--cases and --batch must be >= 1, got {args.cases}, {args.batch}")
-    return fuzz.main(args.cases, args.seed, args.replay, args.batch, args.json)
+    return fuzz.main(args.cases, args.seed, args.replay, args.batch, args.json,
+                     family="actions" if args.actions else "models")
 
 
 def soak_main(args) -> int:
@@ -203,6 +204,10 @@ def _add_harness_commands(commands) -> None:
                       help="run the one case with this seed (as printed for a failure)")
     fuzz.add_argument("--batch", type=int, default=10, metavar="N",
                       help="cases per set of spawned ranks; default 10")
+    fuzz.add_argument("--actions", action="store_true",
+                      help="fuzz user actions around the overlapped and sharded optimizers "
+                           "(state_dict, evaluation forwards, checkpoints, clips, ...) instead "
+                           "of models and options")
     fuzz.add_argument("--json", metavar="PATH", help="write every case's outcome here")
 
 

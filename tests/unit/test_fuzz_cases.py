@@ -1,6 +1,8 @@
 """The differential fuzzer's parts that need no ranks (pyreducer/testing/fuzz.py,
 pyreducer/tools/fuzz.py): cases are pure functions of their seed and valid DDP configurations,
 and the comparison names what differs."""
+import copy
+
 import torch
 
 from pyreducer.testing import fuzz
@@ -79,3 +81,63 @@ def test_the_worst_rank_decides_a_case():
     assert merged[2]["status"] == "both refused"
     counts = runner.summary(merged)
     assert counts["mismatch"] == 1 and counts["both refused"] == 1 and counts["ok"] == 0
+
+
+# The actions family (pyreducer/testing/fuzz_actions.py): user actions around the overlapped and
+# sharded steps.
+
+
+def test_an_actions_case_is_a_function_of_its_seed_and_covers_every_action():
+    from pyreducer.testing import fuzz_actions
+
+    assert fuzz_actions.make_case(99) == fuzz_actions.make_case(99) != fuzz_actions.make_case(98)
+    cases = [fuzz_actions.make_case(seed) for seed in range(400)]
+    drawn = {}
+    for case in cases:
+        assert case["world_size"] in (2, 3)
+        if case["overlap"]["schedule"] != "fifo":  # chunk sums are bitwise at 2 ranks only
+            assert case["world_size"] == 2 and not case["shard"], case
+        for action in case["actions"]:
+            assert action["position"] in fuzz_actions.ACTIONS[action["action"]], action
+            assert not (case["shard"] and action["action"] == "grad_read"), case
+            key = (case["shard"], action["position"], action["action"])
+            drawn[key] = drawn.get(key, 0) + 1
+    for action, positions in fuzz_actions.ACTIONS.items():
+        for shard in (False, True):
+            if shard and action == "grad_read":
+                continue
+            for position in positions:
+                assert drawn.get((shard, position, action), 0) >= 5, (shard, position, action)
+    seen = lambda f: sum(1 for c in cases if f(c))  # noqa: E731
+    for what, count in (("sharded", seen(lambda c: c["shard"])),
+                        ("3 ranks", seen(lambda c: c["world_size"] == 3)),
+                        ("chunks", seen(lambda c: c["overlap"]["schedule"] != "fifo")),
+                        ("max_grad_norm", seen(lambda c: c["overlap"]["max_grad_norm"])),
+                        ("scheduler", seen(lambda c: c["scheduler"])),
+                        ("no_sync", seen(lambda c: c["micro"] > 1)),
+                        ("zeros", seen(lambda c: not c["set_to_none"])),
+                        ("unused branch", seen(lambda c: c["unused"])),
+                        ("bucket views", seen(lambda c: c["ddp"]["gradient_as_bucket_view"])),
+                        ("buffers", seen(lambda c: any(l["norm"] for l in c["layers"]))),
+                        ("float64", seen(lambda c: any(l["dtype"] == "float64"
+                                                       for l in c["layers"])))):
+        assert count >= 20, f"{what}: only {count} of 400 cases"
+    assert "seed 5:" in fuzz_actions.describe(cases[5])
+
+
+def test_actions_compare_names_what_differs():
+    from pyreducer.testing import fuzz_actions
+
+    same = dict(reads=[(0, "after_step", "data_read", [torch.ones(2)])], state={"w": None},
+                ema=[torch.zeros(1)], final=torch.ones(1))
+    assert fuzz_actions.compare(same, copy.deepcopy(same)) == []
+    other = copy.deepcopy(same)
+    other["reads"][0][3][0] += 1
+    other["state"]["w"] = torch.ones(1)
+    problems = fuzz_actions.compare(same, other)
+    assert problems == ["step 0 after_step data_read[0]: differs (max |diff| 1.0, dtypes "
+                        "torch.float32/torch.float32)",
+                        "state.w: torch DDP NoneType, pyreducer Tensor"], problems
+    assert fuzz_actions._refusal("RuntimeError: overlap_optimizer(shard=True): a forward ...")
+    assert fuzz_actions._refusal("ValueError: pyreducer: ...")
+    assert not fuzz_actions._refusal("AttributeError: 'NoneType' object has no attribute 'x'")

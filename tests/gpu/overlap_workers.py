@@ -114,11 +114,12 @@ class _SideStreamRead(torch.nn.Module):
         return self.head(torch.tanh(ha + hb))
 
 
-def _six_steps_against_torch(base, rank, after_backward=None):
+def _six_steps_against_torch(base, rank, after_backward=None, shard=False):
     """`base` trained for 6 steps with torch DDP + Adam and with pyreducer's overlapped optimizer
-    over the same Adam (schedule="fifo", 25 MB buckets). `after_backward(model)`, if given,
-    runs after each backward; what it returns comes back per step ("torch_reads",
-    "ours_reads"), with each one's parameters and pyreducer's bucket count."""
+    over the same Adam (schedule="fifo", 25 MB buckets; `shard`: overlap_optimizer's).
+    `after_backward(model)`, if given, runs after each backward; what it returns comes back per
+    step ("torch_reads", "ours_reads"), with each one's parameters and pyreducer's bucket
+    count."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
@@ -130,7 +131,7 @@ def _six_steps_against_torch(base, rank, after_backward=None):
         model = cls(copy.deepcopy(base).to(device), device_ids=[device.index], bucket_cap_mb=25)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
         if name == "ours":
-            opt = model.overlap_optimizer(opt, schedule="fifo")
+            opt = model.overlap_optimizer(opt, schedule="fifo", shard=shard)
         gen = torch.Generator().manual_seed(rank)
         reads = []
         for _ in range(6):
@@ -148,13 +149,16 @@ def _six_steps_against_torch(base, rank, after_backward=None):
     return out
 
 
-def two_stream_forward_worker(rank, world_size):
+def two_stream_forward_worker(rank, world_size, shard=False):
     """Note [Streams] in pyreducer/overlap/optimizer.py: the overlapped optimizer with
     _SideStreamRead (one bucket: the update runs on the side stream at b's read; a's read on the
-    main stream must wait for it) against torch DDP + the same Adam, parameters after 6 steps."""
+    main stream must wait for it) against torch DDP + the same Adam, parameters after 6 steps.
+    `shard` (NCCL): Note [Streams of a sharded step] in pyreducer/sharded/optimizer.py: the
+    step and the bucket's all-gather are launched on the side stream, after its sleep, and a's
+    write from the gathered buffer on the main stream must wait for the gather itself."""
     torch.cuda.set_device(rank_device(rank))
     torch.manual_seed(5)
-    return _six_steps_against_torch(_SideStreamRead(_sleep_cycles(0.02)), rank)
+    return _six_steps_against_torch(_SideStreamRead(_sleep_cycles(0.02)), rank, shard=shard)
 
 
 def _side_stream(rank):
@@ -220,10 +224,17 @@ def unread_completion_worker(rank, world_size):
 
 
 def side_streams_worker(rank, world_size):
-    """The three side-stream cases on the same ranks: {name: its worker's result}."""
-    return dict(two_stream_forward=two_stream_forward_worker(rank, world_size),
-                early_read=early_read_worker(rank, world_size),
-                unread_completion=unread_completion_worker(rank, world_size))
+    """The side-stream cases on the same ranks: {name: its worker's result}; on NCCL also the
+    two-stream forward with shard=True (Gloo's reduce-scatter takes CPU tensors only)."""
+    import torch.distributed as dist
+
+    result = dict(two_stream_forward=two_stream_forward_worker(rank, world_size),
+                  early_read=early_read_worker(rank, world_size),
+                  unread_completion=unread_completion_worker(rank, world_size))
+    if dist.get_backend() == "nccl":
+        result["two_stream_forward_sharded"] = two_stream_forward_worker(rank, world_size,
+                                                                         shard=True)
+    return result
 
 
 def sharded_worker(rank, world_size):

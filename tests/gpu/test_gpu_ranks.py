@@ -8,7 +8,7 @@ and a script that never calls set_device (NCCL, 2 GPUs). Compiled, not run here:
 import pytest
 import torch
 
-from gpu_kit import MULTI, TWO_RANKS, needs_gpus, ranks
+from gpu_kit import MULTI, NCCL_TWO, TWO_RANKS, needs_gpus, ranks
 from gpu_workers import (averaging_worker, big_bucket_worker, check_finite_worker,
                          join_fp16_worker, link_probe_worker, mixed_precision_worker,
                          no_set_device_worker, strides_worker, two_streams_worker)
@@ -162,6 +162,18 @@ def _side_streams(setting, case):
 def test_a_bucket_updated_on_a_side_stream_is_waited_for_on_the_main_one(setting):
     """Note [Streams] in pyreducer/overlap/optimizer.py."""
     for rank, result in enumerate(_side_streams(setting, "two_stream_forward")):
+        assert result["buckets"] == 1, result["buckets"]
+        _equal_lists(result["ours"], result["torch"], f"rank {rank}")
+
+
+@pytest.mark.parametrize("setting", NCCL_TWO)
+def test_a_sharded_steps_write_on_the_main_stream_waits_for_the_gather(setting):
+    """Note [Streams of a sharded step] in pyreducer/sharded/optimizer.py: the two-stream forward
+    with shard=True; the update and the all-gather are launched on the side stream (after its
+    ~20 ms sleep), `a` is written from the gathered buffer on the main stream, which must wait
+    for the gather itself (a wait on NCCL orders only the current stream). Bit for bit at 2
+    ranks (a reduce-scatter of two sums each element as the all-reduce does)."""
+    for rank, result in enumerate(_side_streams(setting, "two_stream_forward_sharded")):
         assert result["buckets"] == 1, result["buckets"]
         _equal_lists(result["ours"], result["torch"], f"rank {rank}")
 

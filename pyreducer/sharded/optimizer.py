@@ -45,6 +45,7 @@ class ShardedOptimizer(OverlapOptimizer):
         self.gathers: dict[int, tuple] = {}  # bucket -> (its parameters' all-gather in flight,
         # its timeline event)
         self.plans: tuple = (None, {})  # (layout, {bucket: its GatherPlan}), made when first used
+        self.clipper = clip.Clip()  # (max_grad_norm and clip_grad_norm_ on the shards)
         self.inner = self._make_inner()
         self.pieces = pieces_module.Pieces(self.inner, params.tensors)
         self._follow_plan()
@@ -175,7 +176,8 @@ class ShardedOptimizer(OverlapOptimizer):
                              "shard=False for another norm")
         order = self._clip_order(parameters, "clip_grad_norm_")
         self._take_shard_grads("clip_grad_norm_")
-        return clip.clip(self.pieces, [self.index[id(p)] for p in order], max_norm, self.comm)
+        return self.clipper(self.pieces, [self.index[id(p)] for p in order], max_norm,
+                            self.comm, set(self.reducer.globally_unused()))
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """As OverlapOptimizer.clip_grad_value_, on this rank's shards (elementwise: each
@@ -308,7 +310,8 @@ class ShardedOptimizer(OverlapOptimizer):
                         self.grads_taken = True
                     stepped = [self.index[id(p)] for g in self.optimizer.param_groups
                                for p in g["params"]]
-                    clip.clip(self.pieces, stepped, self.max_grad_norm, self.comm)
+                    self.clipper(self.pieces, stepped, self.max_grad_norm, self.comm,
+                                 set(self.reducer.globally_unused()))
                 for b in order:
                     self._update_bucket(b)
         finally:

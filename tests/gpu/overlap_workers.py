@@ -278,3 +278,65 @@ def sharded_worker(rank, world_size):
             v.detach().cpu().clone() for k in sorted(state) for v in state[k].values()
             if torch.is_tensor(v)]
     return out
+
+
+def _sharded_clip_costs(device, layers: int) -> dict:
+    """One clip_grad_norm_ of a sharded step (NCCL), `layers` 256 x 256 layers and a head, once
+    the index tensors are made: the CUDA kernels it launches (torch.profiler) and any host sync
+    (torch.cuda.set_sync_debug_mode("error") raises on one); then a step with max_grad_norm (the
+    clip, the update and the gathers run by synchronize()) under the same check."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(5)
+    module = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(layers)],
+                                 torch.nn.Linear(256, 3)).to(device)
+    model = DistributedDataParallel(module, device_ids=[device.index])
+    opt = model.overlap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), shard=True,
+                                  max_grad_norm=0.5)
+    x = torch.randn(16, 256, device=device)
+    for _ in range(3):  # past the rebuild
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.clip_grad_norm_(0.5)  # (the shards' .grad taken, the index tensors made)
+    torch.cuda.synchronize(device)
+    sync_error = None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.clip_grad_norm_(0.5)
+        except RuntimeError as error:
+            sync_error = str(error)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize(device)
+    kernels = [e.name for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name]
+    opt.step()
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()  # the next clip, in the update: max_grad_norm
+    opt.step()
+    torch.cuda.set_sync_debug_mode("error")
+    step_sync_error = None
+    try:
+        opt.synchronize()
+    except RuntimeError as error:
+        step_sync_error = str(error)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    owners = opt.pieces.owners()
+    rank = opt.comm.rank
+    return dict(kernels=len(kernels), names=sorted(set(kernels)), params=len(owners),
+                lays_out=any(of[0] == rank for of in owners if len(of) > 1),
+                sync_error=sync_error, step_sync_error=step_sync_error)
+
+
+def sharded_clip_costs_worker(rank, world_size):
+    """Note [Clipping shards] in pyreducer/sharded/clip.py on NCCL: _sharded_clip_costs for 8 and
+    32 layers (18 and 66 parameters)."""
+    device = rank_device(rank)
+    torch.cuda.set_device(device)
+    return {layers: _sharded_clip_costs(device, layers) for layers in (8, 32)}

@@ -12,8 +12,8 @@ from gpu_kit import MULTI, NCCL_TWO, TWO_RANKS, needs_gpus, ranks
 from gpu_workers import (averaging_worker, big_bucket_worker, check_finite_worker,
                          join_fp16_worker, link_probe_worker, mixed_precision_worker,
                          no_set_device_worker, strides_worker, two_streams_worker)
-from overlap_workers import (OVERLAP_CASES, overlap_cases_worker, sharded_worker,
-                             side_streams_worker)
+from overlap_workers import (OVERLAP_CASES, overlap_cases_worker, sharded_clip_costs_worker,
+                             sharded_worker, side_streams_worker)
 from pyreducer.testing.parity import SCENARIOS, oracle_missing, parity_worker
 
 # NCCL has no sparse all-reduce (test_gpu_one_rank.py: refused at construction); Gloo has one
@@ -223,3 +223,22 @@ def test_sharded_optimizer_matches_torch_ddp_or_is_refused_on_gloo(setting):
                 assert torch.equal(ours, theirs), f"rank {rank}"
             else:
                 torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("setting", NCCL_TWO)
+def test_a_sharded_clip_launches_kernels_per_dtype_not_per_parameter_and_never_syncs(setting):
+    """Note [Clipping shards] in pyreducer/sharded/clip.py: one clip_grad_norm_ of 66 parameters
+    launches the kernels one of 18 launches (foreach kernels per dtype; one copy more where this
+    rank lays out a cut parameter in one model and not in the other), with no host sync; nor
+    does a step with max_grad_norm (clip, update, gathers) sync the host. Before: a few kernels
+    per parameter and a device-to-host copy of the gradient flags in every clip."""
+    for rank, result in enumerate(ranks(sharded_clip_costs_worker, setting)):
+        small, large = result[8], result[32]
+        assert (small["params"], large["params"]) == (18, 66), (small["params"], large["params"])
+        for layers, costs in result.items():
+            assert costs["sync_error"] is None, f"rank {rank}, {layers}: {costs['sync_error']}"
+            assert costs["step_sync_error"] is None, \
+                f"rank {rank}, {layers}: {costs['step_sync_error']}"
+        extra = int(large["lays_out"]) - int(small["lays_out"])
+        assert large["kernels"] == small["kernels"] + extra, \
+            f"rank {rank}: {small['names']} vs {large['names']}"

@@ -10,8 +10,9 @@ import torch
 
 from gpu_kit import MULTI, NCCL_TWO, TWO_RANKS, needs_gpus, ranks
 from gpu_workers import (averaging_worker, big_bucket_worker, check_finite_worker,
-                         join_fp16_worker, link_probe_worker, mixed_precision_worker,
-                         no_set_device_worker, strides_worker, two_streams_worker)
+                         ddp_logging_worker, join_fp16_worker, link_probe_worker,
+                         mixed_precision_worker, no_set_device_worker, strides_worker,
+                         two_streams_worker)
 from overlap_workers import (OVERLAP_CASES, overlap_cases_worker, sharded_clip_costs_worker,
                              sharded_worker, side_streams_worker)
 from pyreducer.testing.parity import SCENARIOS, oracle_missing, parity_worker
@@ -94,6 +95,26 @@ def test_communication_is_timed_on_the_device(setting):
         for record, stats in zip(result["timeline"], result["stats"]["iterations"]):
             assert record["clock"] == "device"
             assert stats["comm_ms"][-1] >= 64 * 2**20 / 1e12 * 1e3, stats["comm_ms"]
+
+
+@pytest.mark.parametrize("setting", NCCL_TWO)
+def test_ddp_logging_times_communication_on_the_device(setting):
+    """pyreducer/wrapper/ddp_logging.py: on NCCL, _get_ddp_logging_data()'s backward durations
+    are the device timeline's (as torch's logger takes them from CUDA events): communication
+    from the bucket's launch to the gradient written back, at least 64 MiB / 1 TB/s. Before,
+    they were host enqueue times (NCCL completes the work at enqueue), not the record's. The
+    profiler's range marks the launch and says so; the NCCL kernel is on the CUDA timeline."""
+    for rank, result in enumerate(ranks(ddp_logging_worker, setting)):
+        data = result["data"]
+        record = next(r for r in result["timeline"] if r["iteration"] == data["iteration"])
+        assert record["clock"] == "device", record["clock"]
+        launch = min(b["launch_ns"] for b in record["buckets"] if b["launch_ns"])
+        assert data["backward_comm_time"] == record["finalize_end_ns"] - launch, (data, record)
+        assert data["backward_compute_time"] == \
+            record["backward_end_ns"] - record["backward_start_ns"], (data, record)
+        assert data["backward_comm_time"] >= 64 * 2**20 / 1e12 * 1e9, data["backward_comm_time"]
+        assert result["ranges"] == ["pyreducer.allreduce.bucket_0.launch"], result["ranges"]
+        assert result["nccl_kernels"], f"rank {rank}: no NCCL kernel on the CUDA timeline"
 
 
 @pytest.mark.parametrize("setting", TWO_RANKS)

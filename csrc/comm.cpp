@@ -13,16 +13,29 @@ namespace pyreducer {
 
 namespace {
 
-// Launches a collective with `launch()` and attaches allreduce_sum_async's completion time and
-// profiler range to its work.
+// Launches a collective on `tensor` with `launch()` and attaches allreduce_sum_async's
+// completion time and profiler range to its work. The range: on the CPU, `label` from launch to
+// the work's future's completion (Gloo completes it when the collective is done). Off the CPU a
+// range ended by the future would read as the collective's duration and be its launch's:
+// ProcessGroupNCCL completes the future at enqueue (a CUDA-aware future). There the range is
+// named `label` + ".launch" and ends when the launch returns: the host's enqueue, inside which the
+// collective's kernel is launched, so the profiler links the range to that kernel on its CUDA
+// timeline, whose span is the collective's device time (so is the device timeline's: Note
+// [Device timeline] in device_timeline.h). Compiled, not run off the CPU: no GPU here.
 template <typename Launch>
-WorkPtr launch_timed(Launch&& launch, StampPtr done,
+WorkPtr launch_timed(Launch&& launch, const at::Tensor& tensor, StampPtr done,
                      const std::function<std::string()>& label) {
+  const bool completes_on_host = tensor.is_cpu();
   c10::intrusive_ptr<torch::autograd::profiler::PythonRecordFunction> range;
   if (label && at::hasCallbacks()) {
-    range = torch::autograd::profiler::record_function_enter_new(label());
+    range = torch::autograd::profiler::record_function_enter_new(
+        completes_on_host ? label() : label() + ".launch");
   }
   WorkPtr work = launch();
+  if (range && !completes_on_host) {
+    range->record.end();
+    range.reset();
+  }
   if (done != nullptr || range) {
     c10::intrusive_ptr<c10::ivalue::Future> future;
     try {
@@ -48,7 +61,7 @@ WorkPtr allreduce_sum_timed(const Group& group, at::Tensor& flat,
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
     return group->allreduce(tensors, options);
-  }, std::move(done), label);
+  }, flat, std::move(done), label);
 }
 
 // The SUM reduce-scatter of `flat` into `shard` on `group` (a ProcessGroup or a Backend), timed.
@@ -71,7 +84,7 @@ WorkPtr reduce_scatter_sum_timed(const Group& group, at::Tensor& shard, at::Tens
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
     return group->_reduce_scatter_base(shard, flat, options);
 #pragma GCC diagnostic pop
-  }, std::move(done), label);
+  }, flat, std::move(done), label);
 }
 
 }  // namespace

@@ -32,7 +32,9 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 // completes; the callback keeps it alive (it may run after the caller has seen the work
 // complete, even after the caller is gone), and the caller stamps it after its wait if the
 // callback has not yet (Note [Completion stamps] in timeline.h). If a torch profiler is
-// active, a range named `label` spans launch to completion (`label` is only built then).
+// active, a range named `label` spans launch to completion on the CPU; off the CPU, where
+// NCCL's work completes at enqueue, a range named `label` + ".launch" spans the launch alone
+// (comm.cpp, launch_timed). `label` is only built then.
 WorkPtr allreduce_sum_async(const ProcessGroupPtr& group, at::Tensor& flat,
                             StampPtr done = nullptr,
                             const std::function<std::string()>& label = {});

@@ -180,9 +180,9 @@ void Reducer::launch_chunk(size_t b) {
     if (device && first) device->bucket_launch(record_->slot, b);
   }
   if (!comm_hook_) {
-    // On CUDA the profiler range ends when the work's future completes, which ProcessGroupNCCL
-    // does at enqueue: there it marks the launch; the NCCL kernel itself is on the profiler's
-    // CUDA timeline, and the device timeline has the bucket's real communication time.
+    // Off the CPU the profiler range marks the launch alone, named so (comm.cpp,
+    // launch_timed): the NCCL kernel is on the profiler's CUDA timeline, and the device
+    // timeline has the bucket's real communication time.
     at::Tensor flat = bucket.flat;
     if (chunks > 1) {  // See Note [Launch order]: chunk k of c
       const int64_t n = bucket.flat.numel();

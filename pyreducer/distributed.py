@@ -191,7 +191,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._has_rebuilt_buckets = False
         self._tune_now, self._tuned_after = False, -1  # see _pre_forward
         self._watch = ParameterWatch(self.module, self._params)  # changed after wrapping: error
-        self._logger = DDPLogger(self.reducer, _C.Reducer.now_ns, self._params.sizes_bytes)
+        self._logger = DDPLogger(self.reducer, _C.Reducer.now_ns, self._params.sizes_bytes,
+                                 off_cpu=any(t.device.type != "cpu" for t in self._params.tensors))
         hook = self._own_comm_hook()
         if hook is not None:
             self.reducer.register_cpp_hook(hook)

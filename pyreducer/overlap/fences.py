@@ -1,6 +1,6 @@
 """The overlapped optimizer's fences on CUDA (Note [Streams] in pyreducer/overlap/optimizer.py):
-events recorded after a bucket's write-back or update, or after a clip, and which streams have
-waited for each. The bookkeeping is the same on every device; the CUDA calls are in CudaStreams
+events recorded after a bucket's write-back or update, or after a clip (or, for a sharded step's
+parameter writes, at the first read on another stream), and which streams have waited for each. The bookkeeping is the same on every device; the CUDA calls are in CudaStreams
 alone, which a CPU test replaces with a recorder (tests/multirank/test_overlap_fences.py). On CPU
 nothing is fenced."""
 from __future__ import annotations
@@ -58,6 +58,25 @@ class _Fence:
                 streams.record_use(grad, stream)
 
 
+class _WriteMark:
+    """The writes on one stream since an event was last needed there (Fences.fence_written):
+    the event is recorded at the first read on another stream, where it covers every write
+    before that read (and whatever else that stream queued meanwhile), and is then shared by
+    the streams that read those writes later."""
+
+    def __init__(self, stream, device: torch.device):
+        self.stream, self.device, self.event, self.waited = stream, device, None, {stream}
+
+    def wait(self, streams, stream=None) -> None:
+        """`stream` (default: the current one) waits for the writes, once."""
+        stream = streams.current(self.device) if stream is None else stream
+        if stream not in self.waited:
+            if self.event is None:
+                self.event = streams.record(self.stream)
+            streams.wait(stream, self.event)
+            self.waited.add(stream)
+
+
 class Fences:
     """The fenced parameters of one overlapped optimizer (`owner`: they wear its pending class
     while fenced), and the fence after a clip.
@@ -71,6 +90,7 @@ class Fences:
         self.fenced: dict[int, tuple[torch.Tensor, _Fence]] = {}
         self.clip: _Fence | None = None
         self.home = None  # the stream current at the backward's end (backward_ended)
+        self.marks: dict = {}  # stream -> its _WriteMark still without an event
 
     def __contains__(self, param: torch.Tensor) -> bool:
         return id(param) in self.fenced
@@ -98,6 +118,35 @@ class Fences:
         for p in group:
             self.fenced[id(p)] = (p, fence)
             pending.wear(p, self.owner)
+
+    def fence_written(self, param: torch.Tensor) -> None:
+        """After `param` was written on the current stream (a sharded step's write from its
+        gathered bucket: Note [Streams of a sharded step] in pyreducer/sharded/optimizer.py):
+        until passed, a read on another stream waits for the write. No CUDA call here: the
+        event is recorded at the first read on another stream (_WriteMark), so a forward on
+        one stream records none. Call with `param` wearing its own class."""
+        if not self.streams.applies(self.device):
+            return
+        stream = self.streams.current(self.device)
+        mark = self.marks.get(stream)
+        if mark is None or mark.event is not None:  # an event recorded: later writes need
+            mark = self.marks[stream] = _WriteMark(stream, self.device)  # another
+        self.fenced[id(param)] = (param, mark)
+        pending.wear(param, self.owner)
+
+    def current_stream(self):
+        """The current stream of the fences' device where fences apply (CUDA), else None."""
+        if not self.streams.applies(self.device):
+            return None
+        return self.streams.current(self.device)
+
+    def record_uses(self, tensor: torch.Tensor, streams) -> None:
+        """`tensor`, about to be freed, is recorded as used on each of `streams` (other than
+        where it was allocated: the caching allocator skips that one): its memory is not handed
+        out again before their work on it is done."""
+        if self.streams.applies(self.device):
+            for stream in streams:
+                self.streams.record_use(tensor, stream)
 
     def settle(self, group: list) -> None:
         """After `group`'s write-back (and update) on the current stream that no read asked
@@ -147,5 +196,6 @@ class Fences:
             pending.take_off(p)
             fence.wait(self.streams)
         self.fenced.clear()
+        self.marks.clear()
         self.wait_clip()
         self.clip = None

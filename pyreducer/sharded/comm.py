@@ -47,18 +47,21 @@ class ShardComm:
             return self.backend._allgather_base(output, own)
         return dist.all_gather_into_tensor(output, own, group=self.group, async_op=True)
 
-    def gather_bucket(self, flat: torch.Tensor, own: torch.Tensor, plan) -> "PlannedGather":
+    def gather_bucket(self, flat: torch.Tensor, own: torch.Tensor, plan,
+                      current_stream) -> "PlannedGather | WholeGather":
         """Starts bucket `flat`'s all-gather as `plan` (gather_plan.GatherPlan) orders it: in
         rings, each piece of this rank's own region (`own`) sent once marked ready; with
         plan.order "whole", the whole buffer, launched once every segment is (see
-        Note [Gathers in read order])."""
+        Note [Gathers in read order]). `current_stream()`: the stream a wait is for (None
+        where streams do not apply, on CPU; Note [Streams of a sharded step] in
+        pyreducer/sharded/optimizer.py)."""
         if self.ring is not None and plan.order != "whole":
             job = self.ring.all_gather_planned(flat, list(plan.begins), list(plan.ends),
                                                list(plan.sends[self.rank]),
                                                list(plan.receives(self.rank)),
                                                PlannedGather.WHAT)
             return PlannedGather(self, job)
-        return WholeGather(self, flat, own, len(plan.segments))
+        return WholeGather(self, flat, own, len(plan.segments), current_stream)
 
     def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> None:
         """SUM all-reduce of `tensor` in place, waited for (bounded by the group's timeout);
@@ -81,12 +84,13 @@ class ShardComm:
 
 class PlannedGather:
     """A bucket's all-gather in rings, piece by piece in read order (csrc/ring.h: a planned
-    RingCollectives.all_gather)."""
+    RingCollectives.all_gather). Gloo's, on CPU tensors: a wait is the host's, no stream's."""
 
     WHAT = "all-gather of a bucket's parameters"
 
     def __init__(self, comm: ShardComm, job):
         self.comm, self.job = comm, job
+        self.streams = ()  # (no stream waits for it: see WholeGather.streams)
 
     def ready(self, begin: int, end: int) -> None:
         """This rank's elements in [begin, end) are stepped: they may go."""
@@ -120,11 +124,19 @@ class _Range:
 
 class WholeGather:
     """A bucket's all-gather as one collective of the group (NCCL; Gloo beyond the rings' world
-    sizes, or at world size 1): launched once all of its `segments` are ready, waited for whole."""
+    sizes, or at world size 1): launched once all of its `segments` are ready, waited for whole.
 
-    def __init__(self, comm: ShardComm, flat: torch.Tensor, own: torch.Tensor, segments: int):
+    On NCCL a wait makes only the current stream wait for the gather, so every stream that reads
+    the buffer waits for it itself: the work is kept, and waited for once per stream
+    (`current_stream()`; None on CPU, where the first wait is the host's and covers every later
+    read). `streams`: the streams that waited, on which the buffer is recorded before it is
+    released (Note [Streams of a sharded step] in pyreducer/sharded/optimizer.py)."""
+
+    def __init__(self, comm: ShardComm, flat: torch.Tensor, own: torch.Tensor, segments: int,
+                 current_stream):
         self.comm, self.flat, self.own, self.left = comm, flat, own, segments
-        self.work, self.waited_ns = None, 0
+        self.current_stream = current_stream
+        self.work, self.waited_ns, self.streams = None, 0, []
 
     def ready(self, begin: int, end: int) -> None:
         self.left -= 1
@@ -139,13 +151,15 @@ class WholeGather:
             raise RuntimeError(f"pyreducer: the sharded step's all-gather on rank "
                                f"{self.comm.rank} was waited for with {self.left} segments not "
                                "stepped")
-        if self.work is not None:
-            work, self.work = self.work, None
-            self.comm.wait(work, PlannedGather.WHAT)
-            self.waited_ns = _C.Reducer.now_ns()
+        stream = self.current_stream()
+        if self.work is not None and stream not in self.streams:
+            self.comm.wait(self.work, PlannedGather.WHAT)  # (NCCL: this stream waits)
+            self.streams.append(stream)
+            if not self.waited_ns:
+                self.waited_ns = _C.Reducer.now_ns()
 
     def done_ns(self) -> int:
-        """When the whole gather was waited for (the timeline's clock)."""
+        """When the whole gather was first waited for (the timeline's clock)."""
         return self.waited_ns
 
     def cancel(self, why: str) -> None:

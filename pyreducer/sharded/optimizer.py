@@ -47,6 +47,7 @@ class ShardedOptimizer(OverlapOptimizer):
         self.gathers: dict[int, tuple] = {}  # bucket -> (its parameters' all-gather in flight,
         # its timeline event)
         self.plans: tuple = (None, {})  # (layout, {bucket: its GatherPlan}), made when first used
+        self.clipper = clip.Clip()  # (max_grad_norm and clip_grad_norm_ on the shards)
         self.inner = self._make_inner()
         self.pieces = pieces_module.Pieces(self.inner, params.tensors)
         self._follow_plan()
@@ -201,7 +202,8 @@ class ShardedOptimizer(OverlapOptimizer):
                              "shard=False for another norm")
         order = self._clip_order(parameters, "clip_grad_norm_")
         self._take_shard_grads("clip_grad_norm_")
-        return clip.clip(self.pieces, [self.index[id(p)] for p in order], max_norm, self.comm)
+        return self.clipper(self.pieces, [self.index[id(p)] for p in order], max_norm,
+                            self.comm, set(self.reducer.globally_unused()))
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """As OverlapOptimizer.clip_grad_value_, on this rank's shards (elementwise: each
@@ -334,7 +336,8 @@ class ShardedOptimizer(OverlapOptimizer):
                         self.grads_taken = True
                     stepped = [self.index[id(p)] for g in self.optimizer.param_groups
                                for p in g["params"]]
-                    clip.clip(self.pieces, stepped, self.max_grad_norm, self.comm)
+                    self.clipper(self.pieces, stepped, self.max_grad_norm, self.comm,
+                                 set(self.reducer.globally_unused()))
                 for b in order:
                     self._update_bucket(b)
         finally:
@@ -368,7 +371,8 @@ class ShardedOptimizer(OverlapOptimizer):
                                    set(self.reducer.globally_unused()))
         self.reducer.acquire_bucket_buffer(b)  # (released, if no gradient reached it since)
         plan = self._plan(b)
-        gather = self.comm.gather_bucket(self.pieces.flats[b], self.pieces.own_region(b), plan)
+        gather = self.comm.gather_bucket(self.pieces.flats[b], self.pieces.own_region(b), plan,
+                                         self.fences.current_stream)
         event["gather_launch_ns"] = _C.Reducer.now_ns()
         self.gathers[b] = (gather, event)
         try:
@@ -381,6 +385,29 @@ class ShardedOptimizer(OverlapOptimizer):
             gather.cancel(f"the step of bucket {b} raised {type(error).__name__}: {error}")
             raise
         event["updated_ns"] = _C.Reducer.now_ns()
+
+    # Note [Streams of a sharded step]
+    # On CUDA (NCCL) the update of every bucket runs on the stream current at the step's first
+    # read (as in Note [Streams] in pyreducer/overlap/optimizer.py), and each parameter is then
+    # written from its bucket's gathered buffer on the stream current at its own first read,
+    # which a forward on several streams makes different ones. On NCCL a wait makes only the
+    # current stream wait. So:
+    #   - a bucket's all-gather is waited for by every stream that writes a parameter from its
+    #     buffer, once per stream (WholeGather keeps its work);
+    #   - each written parameter is fenced (Fences.fence_written): a read on another stream
+    #     waits for the write, and so for the gather before it. Its event is recorded at that
+    #     read, on the writing stream (it covers every write queued there before), not after
+    #     each write: an event per stream that another reads from, none in a forward on one
+    #     stream, where an event per parameter would add a CUDA call to each first read;
+    #   - the buffer, released once its parameters are all written (Note [Released bucket
+    #     buffers]), is first recorded on every stream that waited for its gather (those that
+    #     read it), beside the streams that waited for its reduce-scatter (the update's: the
+    #     Reducer records those): the caching allocator hands its memory out again only once
+    #     each is past its reads (the all-gather's own NCCL stream is before all of them).
+    # The fences are passed where Note [Streams] passes them (step(), zero_grad(), the forward's
+    # end, synchronize()). Compiled, not run: no GPU here (tests/gpu: the two-stream forward
+    # with shard=True against torch DDP); the bookkeeping runs on CPU with the CUDA calls
+    # recorded (tests/multirank/test_overlap_fences.py). On CPU nothing is fenced.
 
     def _finish(self, b: int) -> None:
         """Every parameter of bucket b still pending written (_finish_param)."""
@@ -426,6 +453,7 @@ class ShardedOptimizer(OverlapOptimizer):
             param.grad.zero_()
         elif i not in set(self.reducer.globally_unused()):  # its .grad went into the bucket,
             param.grad = torch.zeros_like(param)  # let go (Note [Sharded gradients]): zeros
+        self.fences.fence_written(param)  # See Note [Streams of a sharded step]
         if not self.pending[b]:
             self._bucket_done(b)
 
@@ -437,6 +465,9 @@ class ShardedOptimizer(OverlapOptimizer):
         if gather is not None:
             gather.wait_all()
             event["gathered_ns"] = gather.done_ns()  # (when it was all there)
+            # the streams that read it since the gather (Note [Streams of a sharded step]);
+            # the Reducer records those that waited for its reduce-scatter
+            self.fences.record_uses(self.pieces.flats[b], gather.streams)
             self.reducer.release_bucket_buffer(b)
         if not self.pending:
             self.stepped = False

@@ -10,6 +10,20 @@ and gradient sync on, counted from 1) is recorded if k <= 10 or k % sample_rate 
 100), and published at the start of the next synced forward, so `iteration` is the last sampled
 iteration that finished. Durations are in ns, averages are torch's integer running means over
 the sampled iterations, timestamps are Unix-epoch ns (the host clock, shifted once).
+
+Off the CPU, host times are when work was enqueued (NCCL completes a collective's work at
+enqueue), so, as torch's logger takes its durations from CUDA events there (reducer_cuda.cpp's
+CudaTimer), backward_compute_time, backward_comm_time and backward_compute_comm_overlap_time
+(and their averages) come from the device timeline's record of that iteration (Note [Device
+timeline] in csrc/device_timeline.h: CUDA events, device times anchored at the host's backward
+start): the backward from its start (the device timeline's anchor, where torch starts at the
+forward's end) to its end, the communication from the first bucket's launch to the last
+gradient written back (with deferred completion, an overlapped optimizer's: the last bucket's
+reduction done on the device). Where no such record exists (timeline_iterations=0, parameters on
+several devices, events that could not be read) they are 0, not measured, as torch leaves a
+duration whose events were not recorded. forward_compute_time stays the host's (no device event
+marks the forward's start), and timestamps are the host's, as torch's are (its Timer keeps the
+host time of each event). Compiled, not run on a GPU: no GPU here.
 """
 from __future__ import annotations
 
@@ -36,6 +50,9 @@ _DURATIONS = (("forward_compute_time", "forward_start_ns", "backward_start_ns"),
               ("backward_compute_time", "backward_start_ns", "backward_end_ns"),
               ("backward_comm_time", "comm_start_ns", "comm_end_ns"),
               ("backward_compute_comm_overlap_time", "comm_start_ns", "backward_end_ns"))
+# Timed on the device off the CPU (see the module's docstring).
+_DEVICE_TIMED = ("backward_compute_time", "backward_comm_time",
+                 "backward_compute_comm_overlap_time")
 _TIMESTAMPS = (("forward_compute_time_start", "forward_start_ns"),
                ("backward_compute_time_start", "backward_start_ns"),
                ("backward_comm_time_start", "comm_start_ns"),
@@ -59,11 +76,13 @@ def _env(names) -> str:
 
 
 class DDPLogger:
-    """The logging data of one wrapper. `reducer` is its C++ Reducer (stats, iterations, errors);
-    the wrapper calls construction_data() once, before_synced_forward() at the start of every
-    synced forward, and set_error() when it raises."""
+    """The logging data of one wrapper. `reducer` is its C++ Reducer (stats, iterations, errors,
+    timeline); `off_cpu`: its parameters are off the CPU (durations from the device timeline,
+    see the module's docstring). The wrapper calls construction_data() once,
+    before_synced_forward() at the start of every synced forward, and set_error() when it
+    raises."""
 
-    def __init__(self, reducer, now_ns, sizes_bytes):
+    def __init__(self, reducer, now_ns, sizes_bytes, off_cpu: bool):
         self.reducer, self._now_ns, self._sizes = reducer, now_ns, list(sizes_bytes)
         self.strs: dict[str, str] = {}
         self.ints: dict[str, int] = {}
@@ -72,6 +91,7 @@ class DDPLogger:
         self._forward_start_ns = {}  # iteration -> host ns of its forward's start
         self._epoch_offset_ns = time.time_ns() - now_ns()
         self._seen_error = ""
+        self._off_cpu = off_cpu
 
     def should_collect(self, iteration: int) -> bool:
         return iteration > 0 and (iteration <= 10 or iteration % self.sample_rate == 0)
@@ -147,14 +167,36 @@ class DDPLogger:
         times = dict(stats, forward_start_ns=self._forward_start_ns.get(stats["iteration"], 0))
         if stats["iteration"] != iteration:  # the backward of that forward never finished
             times = {key: 0 for key in times}
+        device = self._device_times(iteration) if self._off_cpu and times["backward_start_ns"] \
+            else None
         for key, start, end in _DURATIONS:
             ints[key] = 0
             avg = ints.setdefault(f"avg_{key}", 0)  # written even if not measured, as torch's
-            if times[start] and times[end] and times[end] >= times[start]:
-                ints[key] = times[end] - times[start]
+            span = device if self._off_cpu and key in _DEVICE_TIMED else times
+            if span and span[start] and span[end] and span[end] >= span[start]:
+                ints[key] = span[end] - span[start]
                 ints[f"avg_{key}"] = (ints[key] + avg * (self._sampled - 1)) // self._sampled
         for key, event in _TIMESTAMPS:
             ints[key] = times[event] + self._epoch_offset_ns if times[event] else 0
+
+    def _device_times(self, iteration: int) -> dict | None:
+        """The device timeline's times of synced iteration `iteration` (its last completed
+        record; reading it waits for its events, as torch's CudaTimer does at the same point),
+        under _DURATIONS' names; None where it holds none on the device's clock."""
+        records = self.reducer.timeline(1)
+        if not records or records[-1]["iteration"] != iteration or \
+                records[-1]["clock"] != "device":
+            return None
+        record = records[-1]
+        launched = [b["launch_ns"] for b in record["buckets"] if b["launch_ns"]]
+        done = [b["done_ns"] for b in record["buckets"] if b["done_ns"]]
+        # the backward waited for its buckets (wait_end): every gradient was written back at
+        # its end; else (deferred completion) the reductions completed later, on the device
+        # when the last bucket's was done
+        comm_end = record["finalize_end_ns"] if record["wait_end_ns"] else max(done, default=0)
+        return dict(backward_start_ns=record["backward_start_ns"],
+                    backward_end_ns=record["backward_end_ns"],
+                    comm_start_ns=min(launched, default=0), comm_end_ns=comm_end)
 
     def set_comm_hook(self, name: str) -> None:
         self.strs["comm_hook"] = name

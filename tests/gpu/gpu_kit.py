@@ -57,6 +57,7 @@ SHARED = [setting("gloo", 2), setting("gloo", 3)]  # ranks share the GPU(s) over
 ONE_PER_GPU = [setting("nccl", 2), setting("nccl", 3)]
 MULTI = SHARED + ONE_PER_GPU
 TWO_RANKS = [setting("gloo", 2), setting("nccl", 2)]
+NCCL_TWO = [setting("nccl", 2)]  # what runs on NCCL alone (shard=True: Gloo refuses it on GPUs)
 ONE_RANK = ("nccl", 1)
 
 

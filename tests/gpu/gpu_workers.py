@@ -221,6 +221,35 @@ def big_bucket_worker(rank, world_size):
     return dict(timeline=model.timeline(2), stats=model.overlap_stats(2))
 
 
+def ddp_logging_worker(rank, world_size):
+    """One 64 MiB bucket on NCCL: _get_ddp_logging_data() of iteration 4 (published by the 5th
+    forward) and the device timeline's records it comes from (pyreducer/wrapper/ddp_logging.py);
+    then the profiler's names of a backward's ranges (comm.cpp, launch_timed) and its NCCL
+    kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pyreducer import DistributedDataParallel
+
+    device = rank_device(rank)
+    model = DistributedDataParallel(nn.Linear(4096, 4096, bias=False).to(device),
+                                    device_ids=[device.index], bucket_cap_mb=1000)
+    x = torch.randn(8, 4096, device=device)
+    for _ in range(4):
+        model(x).sum().backward()
+    records = model.timeline(2)
+    model(x).sum().backward()  # its forward publishes iteration 4's stats
+    data = model._get_ddp_logging_data()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model(x).sum().backward()
+        torch.cuda.synchronize(device)
+    events = prof.events()
+    return dict(data=data, timeline=records,
+                ranges=sorted({e.name for e in events if e.name.startswith("pyreducer.")
+                               and "bucket" in e.name}),
+                nccl_kernels=sorted({e.name for e in events if "nccl" in e.name.lower()
+                                     and e.device_type == torch.autograd.DeviceType.CUDA}))
+
+
 def join_fp16_worker(rank, world_size):
     """Uneven inputs under join() with torch's fp16 hook, on NCCL (where a dtype mismatch between
     a joined rank's shadow all-reduce and the training ranks' would hang or corrupt)."""

@@ -114,11 +114,12 @@ class _SideStreamRead(torch.nn.Module):
         return self.head(torch.tanh(ha + hb))
 
 
-def _six_steps_against_torch(base, rank, after_backward=None):
+def _six_steps_against_torch(base, rank, after_backward=None, shard=False):
     """`base` trained for 6 steps with torch DDP + Adam and with pyreducer's overlapped optimizer
-    over the same Adam (schedule="fifo", 25 MB buckets). `after_backward(model)`, if given,
-    runs after each backward; what it returns comes back per step ("torch_reads",
-    "ours_reads"), with each one's parameters and pyreducer's bucket count."""
+    over the same Adam (schedule="fifo", 25 MB buckets; `shard`: overlap_optimizer's).
+    `after_backward(model)`, if given, runs after each backward; what it returns comes back per
+    step ("torch_reads", "ours_reads"), with each one's parameters and pyreducer's bucket
+    count."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from pyreducer import DistributedDataParallel
@@ -130,7 +131,7 @@ def _six_steps_against_torch(base, rank, after_backward=None):
         model = cls(copy.deepcopy(base).to(device), device_ids=[device.index], bucket_cap_mb=25)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
         if name == "ours":
-            opt = model.overlap_optimizer(opt, schedule="fifo")
+            opt = model.overlap_optimizer(opt, schedule="fifo", shard=shard)
         gen = torch.Generator().manual_seed(rank)
         reads = []
         for _ in range(6):
@@ -148,13 +149,16 @@ def _six_steps_against_torch(base, rank, after_backward=None):
     return out
 
 
-def two_stream_forward_worker(rank, world_size):
+def two_stream_forward_worker(rank, world_size, shard=False):
     """Note [Streams] in pyreducer/overlap/optimizer.py: the overlapped optimizer with
     _SideStreamRead (one bucket: the update runs on the side stream at b's read; a's read on the
-    main stream must wait for it) against torch DDP + the same Adam, parameters after 6 steps."""
+    main stream must wait for it) against torch DDP + the same Adam, parameters after 6 steps.
+    `shard` (NCCL): Note [Streams of a sharded step] in pyreducer/sharded/optimizer.py: the
+    step and the bucket's all-gather are launched on the side stream, after its sleep, and a's
+    write from the gathered buffer on the main stream must wait for the gather itself."""
     torch.cuda.set_device(rank_device(rank))
     torch.manual_seed(5)
-    return _six_steps_against_torch(_SideStreamRead(_sleep_cycles(0.02)), rank)
+    return _six_steps_against_torch(_SideStreamRead(_sleep_cycles(0.02)), rank, shard=shard)
 
 
 def _side_stream(rank):
@@ -220,10 +224,17 @@ def unread_completion_worker(rank, world_size):
 
 
 def side_streams_worker(rank, world_size):
-    """The three side-stream cases on the same ranks: {name: its worker's result}."""
-    return dict(two_stream_forward=two_stream_forward_worker(rank, world_size),
-                early_read=early_read_worker(rank, world_size),
-                unread_completion=unread_completion_worker(rank, world_size))
+    """The side-stream cases on the same ranks: {name: its worker's result}; on NCCL also the
+    two-stream forward with shard=True (Gloo's reduce-scatter takes CPU tensors only)."""
+    import torch.distributed as dist
+
+    result = dict(two_stream_forward=two_stream_forward_worker(rank, world_size),
+                  early_read=early_read_worker(rank, world_size),
+                  unread_completion=unread_completion_worker(rank, world_size))
+    if dist.get_backend() == "nccl":
+        result["two_stream_forward_sharded"] = two_stream_forward_worker(rank, world_size,
+                                                                         shard=True)
+    return result
 
 
 def sharded_worker(rank, world_size):
@@ -267,3 +278,65 @@ def sharded_worker(rank, world_size):
             v.detach().cpu().clone() for k in sorted(state) for v in state[k].values()
             if torch.is_tensor(v)]
     return out
+
+
+def _sharded_clip_costs(device, layers: int) -> dict:
+    """One clip_grad_norm_ of a sharded step (NCCL), `layers` 256 x 256 layers and a head, once
+    the index tensors are made: the CUDA kernels it launches (torch.profiler) and any host sync
+    (torch.cuda.set_sync_debug_mode("error") raises on one); then a step with max_grad_norm (the
+    clip, the update and the gathers run by synchronize()) under the same check."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(5)
+    module = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(layers)],
+                                 torch.nn.Linear(256, 3)).to(device)
+    model = DistributedDataParallel(module, device_ids=[device.index])
+    opt = model.overlap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), shard=True,
+                                  max_grad_norm=0.5)
+    x = torch.randn(16, 256, device=device)
+    for _ in range(3):  # past the rebuild
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.clip_grad_norm_(0.5)  # (the shards' .grad taken, the index tensors made)
+    torch.cuda.synchronize(device)
+    sync_error = None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.clip_grad_norm_(0.5)
+        except RuntimeError as error:
+            sync_error = str(error)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize(device)
+    kernels = [e.name for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name]
+    opt.step()
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()  # the next clip, in the update: max_grad_norm
+    opt.step()
+    torch.cuda.set_sync_debug_mode("error")
+    step_sync_error = None
+    try:
+        opt.synchronize()
+    except RuntimeError as error:
+        step_sync_error = str(error)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    owners = opt.pieces.owners()
+    rank = opt.comm.rank
+    return dict(kernels=len(kernels), names=sorted(set(kernels)), params=len(owners),
+                lays_out=any(of[0] == rank for of in owners if len(of) > 1),
+                sync_error=sync_error, step_sync_error=step_sync_error)
+
+
+def sharded_clip_costs_worker(rank, world_size):
+    """Note [Clipping shards] in pyreducer/sharded/clip.py on NCCL: _sharded_clip_costs for 8 and
+    32 layers (18 and 66 parameters)."""
+    device = rank_device(rank)
+    torch.cuda.set_device(device)
+    return {layers: _sharded_clip_costs(device, layers) for layers in (8, 32)}

@@ -8,12 +8,13 @@ and a script that never calls set_device (NCCL, 2 GPUs). Compiled, not run here:
 import pytest
 import torch
 
-from gpu_kit import MULTI, TWO_RANKS, needs_gpus, ranks
+from gpu_kit import MULTI, NCCL_TWO, TWO_RANKS, needs_gpus, ranks
 from gpu_workers import (averaging_worker, big_bucket_worker, check_finite_worker,
-                         join_fp16_worker, link_probe_worker, mixed_precision_worker,
-                         no_set_device_worker, strides_worker, two_streams_worker)
-from overlap_workers import (OVERLAP_CASES, overlap_cases_worker, sharded_worker,
-                             side_streams_worker)
+                         ddp_logging_worker, join_fp16_worker, link_probe_worker,
+                         mixed_precision_worker, no_set_device_worker, strides_worker,
+                         two_streams_worker)
+from overlap_workers import (OVERLAP_CASES, overlap_cases_worker, sharded_clip_costs_worker,
+                             sharded_worker, side_streams_worker)
 from pyreducer.testing.parity import SCENARIOS, oracle_missing, parity_worker
 
 # NCCL has no sparse all-reduce (test_gpu_one_rank.py: refused at construction); Gloo has one
@@ -96,6 +97,26 @@ def test_communication_is_timed_on_the_device(setting):
             assert stats["comm_ms"][-1] >= 64 * 2**20 / 1e12 * 1e3, stats["comm_ms"]
 
 
+@pytest.mark.parametrize("setting", NCCL_TWO)
+def test_ddp_logging_times_communication_on_the_device(setting):
+    """pyreducer/wrapper/ddp_logging.py: on NCCL, _get_ddp_logging_data()'s backward durations
+    are the device timeline's (as torch's logger takes them from CUDA events): communication
+    from the bucket's launch to the gradient written back, at least 64 MiB / 1 TB/s. Before,
+    they were host enqueue times (NCCL completes the work at enqueue), not the record's. The
+    profiler's range marks the launch and says so; the NCCL kernel is on the CUDA timeline."""
+    for rank, result in enumerate(ranks(ddp_logging_worker, setting)):
+        data = result["data"]
+        record = next(r for r in result["timeline"] if r["iteration"] == data["iteration"])
+        assert record["clock"] == "device", record["clock"]
+        launch = min(b["launch_ns"] for b in record["buckets"] if b["launch_ns"])
+        assert data["backward_comm_time"] == record["finalize_end_ns"] - launch, (data, record)
+        assert data["backward_compute_time"] == \
+            record["backward_end_ns"] - record["backward_start_ns"], (data, record)
+        assert data["backward_comm_time"] >= 64 * 2**20 / 1e12 * 1e9, data["backward_comm_time"]
+        assert result["ranges"] == ["pyreducer.allreduce.bucket_0.launch"], result["ranges"]
+        assert result["nccl_kernels"], f"rank {rank}: no NCCL kernel on the CUDA timeline"
+
+
 @pytest.mark.parametrize("setting", TWO_RANKS)
 def test_link_probe_finds_the_measured_bandwidth(setting):
     """The autotune's link probe (device-synchronized) against a plain all-reduce bus-bandwidth
@@ -166,6 +187,18 @@ def test_a_bucket_updated_on_a_side_stream_is_waited_for_on_the_main_one(setting
         _equal_lists(result["ours"], result["torch"], f"rank {rank}")
 
 
+@pytest.mark.parametrize("setting", NCCL_TWO)
+def test_a_sharded_steps_write_on_the_main_stream_waits_for_the_gather(setting):
+    """Note [Streams of a sharded step] in pyreducer/sharded/optimizer.py: the two-stream forward
+    with shard=True; the update and the all-gather are launched on the side stream (after its
+    ~20 ms sleep), `a` is written from the gathered buffer on the main stream, which must wait
+    for the gather itself (a wait on NCCL orders only the current stream). Bit for bit at 2
+    ranks (a reduce-scatter of two sums each element as the all-reduce does)."""
+    for rank, result in enumerate(_side_streams(setting, "two_stream_forward_sharded")):
+        assert result["buckets"] == 1, result["buckets"]
+        _equal_lists(result["ours"], result["torch"], f"rank {rank}")
+
+
 @pytest.mark.parametrize("setting", TWO_RANKS)
 def test_a_bucket_completed_by_a_read_before_step_is_waited_for_by_step(setting):
     """Note [Streams] in pyreducer/overlap/optimizer.py: a gradient read on a side stream before
@@ -211,3 +244,22 @@ def test_sharded_optimizer_matches_torch_ddp_or_is_refused_on_gloo(setting):
                 assert torch.equal(ours, theirs), f"rank {rank}"
             else:
                 torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("setting", NCCL_TWO)
+def test_a_sharded_clip_launches_kernels_per_dtype_not_per_parameter_and_never_syncs(setting):
+    """Note [Clipping shards] in pyreducer/sharded/clip.py: one clip_grad_norm_ of 66 parameters
+    launches the kernels one of 18 launches (foreach kernels per dtype; one copy more where this
+    rank lays out a cut parameter in one model and not in the other), with no host sync; nor
+    does a step with max_grad_norm (clip, update, gathers) sync the host. Before: a few kernels
+    per parameter and a device-to-host copy of the gradient flags in every clip."""
+    for rank, result in enumerate(ranks(sharded_clip_costs_worker, setting)):
+        small, large = result[8], result[32]
+        assert (small["params"], large["params"]) == (18, 66), (small["params"], large["params"])
+        for layers, costs in result.items():
+            assert costs["sync_error"] is None, f"rank {rank}, {layers}: {costs['sync_error']}"
+            assert costs["step_sync_error"] is None, \
+                f"rank {rank}, {layers}: {costs['step_sync_error']}"
+        extra = int(large["lays_out"]) - int(small["lays_out"])
+        assert large["kernels"] == small["kernels"] + extra, \
+            f"rank {rank}: {small['names']} vs {large['names']}"

@@ -238,3 +238,100 @@ def test_a_completion_no_read_asked_for_is_waited_for_by_the_backwards_stream(ra
         assert sorted(e[2] for e in after if e[:2] == ("use", "side")) == shapes, after
         for recorded, plain in zip(r["recorded"], r["plain"]):
             assert torch.equal(recorded, plain), f"rank {rank}"
+
+
+class SharedRead(nn.Module):
+    """`a` is read on stream "x"; `b`, then `a.weight` again, on stream "y" (`one_stream`: all
+    on the recorder's current stream)."""
+
+    def __init__(self, recorder):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.recorder, self.one_stream = recorder, False
+
+    def _on(self, stream):
+        if self.recorder is not None and not self.one_stream:
+            self.recorder.now = stream
+
+    def forward(self, x):
+        self._on("x")
+        h = torch.tanh(self.a(x))
+        self._on("y")
+        out = self.b(h) + self.a.weight.sum()
+        self._on("main")
+        return out
+
+
+def sharded_worker(rank, world_size):
+    """Note [Streams of a sharded step] in pyreducer/sharded/optimizer.py: shard=True with one
+    bucket, gathered whole (comm.WholeGather, NCCL's kind: one collective of the group, waited
+    for per stream), the forward of SharedRead after step(): the update and a's writes on "x",
+    b's writes on "y", then a read of a.weight on "y"; then a forward on one stream."""
+    from pyreducer import DistributedDataParallel
+
+    out = {}
+    for recorded in (True, False):
+        torch.manual_seed(0)
+        recorder = Recorder() if recorded else None
+        module = SharedRead(recorder)
+        model = DistributedDataParallel(module)  # torch's default caps: one bucket
+        opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      shard=True)
+        opt.comm.ring = None  # every gather whole, as on NCCL
+        gathers, start = set(), opt.comm.gather_bucket
+        opt.comm.gather_bucket = lambda *args: _noted(gathers, start(*args))
+        if recorded:
+            opt.fences.streams = recorder
+        gen = torch.Generator().manual_seed(rank)
+        batch = lambda: torch.randn(4, 8, generator=gen)  # noqa: E731
+        _steps(model, opt, batch, 3)  # the third step's update pending
+        if recorded:
+            recorder.log.clear()
+        loss = model(batch()).sum()
+        if recorded:
+            out["forward"] = list(recorder.log)
+            out["classes"] = sorted({type(p).__name__ for p in model.parameters()})
+            out["flat"] = tuple(opt.pieces.flats[0].shape)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        module.one_stream = True
+        if recorded:
+            recorder.log.clear()
+        model(batch()).sum().backward()
+        if recorded:
+            out["one_stream"] = list(recorder.log)
+        opt.step()
+        opt.zero_grad()
+        _steps(model, opt, batch, 1)
+        model.synchronize()
+        out["recorded" if recorded else "plain"] = [p.detach().clone() for p in model.parameters()]
+    out["buckets"], out["gathers"] = len(model.bucket_plan()), sorted(gathers)
+    return out
+
+
+def _noted(names: set, gather):
+    names.add(type(gather).__name__)
+    return gather
+
+
+def test_a_sharded_steps_reads_wait_for_the_gather_and_the_write_on_their_stream(ranks_once):
+    for rank, r in enumerate(ranks_once(sharded_worker, 2, ())):
+        assert r["buckets"] == 1 and r["gathers"] == ["WholeGather"], r
+        flat = r["flat"]
+        events = [entry[2] for entry in r["forward"] if entry[0] == "record"]
+        assert len(events) == 2, r["forward"]
+        # the buffer, released after b.bias's write on "y", is recorded on both streams that
+        # waited for its gather (a's writes on "x", b's on "y"); a.weight's read on "y" waits
+        # for the writes on "x" (an event recorded then, there); at the forward's end "main"
+        # waits for each stream's writes, an event each
+        assert r["forward"] == [
+            ("use", "x", flat), ("use", "y", flat),
+            ("record", "x", events[0]), ("wait", "y", events[0]), ("wait", "main", events[0]),
+            ("record", "y", events[1]), ("wait", "main", events[1])], r["forward"]
+        assert r["classes"] == ["Parameter"], r["classes"]  # the fences passed
+        # one stream: no event, the buffer recorded on that stream alone (a no-op for the
+        # caching allocator where it was allocated)
+        assert r["one_stream"] == [("use", "main", flat)], r["one_stream"]
+        for recorded, plain in zip(r["recorded"], r["plain"]):
+            assert torch.equal(recorded, plain), f"rank {rank}"

@@ -188,8 +188,8 @@ def _read_early(model, opt, rank):
     held = {}
     start = opt.comm.gather_bucket
 
-    def holding(flat, own, plan):
-        gather = start(flat, own, plan)
+    def holding(flat, own, plan, *rest):
+        gather = start(flat, own, plan, *rest)
         if len(plan.segments) > 1 and not held:  # the first-read bucket: the big one
             held.update(gather=_Held(gather), plan=plan)
             return held["gather"]

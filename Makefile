@@ -173,8 +173,10 @@ $(DOCS_STAMP): $(DEPS_STAMP)
 	$(VPY) -m pip install --quiet --disable-pip-version-check $(DOCS_PACKAGES)
 	touch $@
 
+# No --quiet: it raises MkDocs' log level to ERROR, and --strict counts only the warnings that
+# were logged, so a broken link or a docstring that did not render passed unseen.
 docs: build $(DOCS_STAMP)
-	$(MKDOCS) build --strict --quiet -f docs/mkdocs.yml
+	$(MKDOCS) build --strict -f docs/mkdocs.yml
 	@echo "docs: built into site/ (open site/index.html, or make docs-serve)"
 
 docs-serve: build $(DOCS_STAMP)

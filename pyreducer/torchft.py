@@ -153,7 +153,7 @@ class DistributedDataParallel(_PyreducerDDP):
                 `pg=torchft.ProcessGroupGloo(timeout=...)` (its timeout bounds every
                 all-reduce's wait).
             module (nn.Module): the model, the same on every replica.
-            **options: pyreducer's DistributedDataParallel options, less REFUSED.
+            **options (Any): pyreducer's DistributedDataParallel options, less REFUSED.
         """
         torchft = check_torchft()
         if not isinstance(manager, torchft.Manager):

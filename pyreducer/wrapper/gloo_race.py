@@ -15,10 +15,11 @@ The Reducer holds it, so it lives as long as the wrapper (its thread is joined w
 is freed, as the group's are at destroy_process_group).
 Dense buckets stay on the group (their names are short: no heap buffer to free twice). The sums
 are the group's (the same Gloo algorithm over the same ranks in the same order). Cost: one
-rendezvous when such a wrapper is built (collective over the group's ranks, like the wrapper's
-construction; milliseconds), one thread and one set of connections per wrapper, and sparse
-buckets that no longer run two at a time (one worker). Left exposed: a communication hook's
-own all-reduces (the hook runs them on the group) and the user's own sparse collectives.
+rendezvous and one barrier when such a wrapper is built (collective over the group's ranks,
+like the wrapper's construction; milliseconds), one thread and one set of connections per
+wrapper, and sparse buckets that no longer run two at a time (one worker). Left exposed: a
+communication hook's own all-reduces (the hook runs them on the group) and the user's own sparse
+collectives.
 
 GLOO_STATUS_RACE (pyreducer/wrapper/torch_versions.py) says which torch versions need it; lift it by
 version once torch fixes the race (the reproducer tells).
@@ -67,7 +68,31 @@ def one_thread_backend(group, purpose: str):
     options._threads = 1
     options._devices = _devices(group)
     options._timeout = group_timeout(group)
-    return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), options)
+    backend = dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group),
+                                    options)
+    _wait_until_built_everywhere(backend, group, purpose)
+    return backend
+
+
+def _wait_until_built_everywhere(backend, group, purpose: str) -> None:
+    """Returns once every rank of `group` has built its `backend`: a barrier on the backend
+    itself (no rank enters it before its constructor has returned).
+
+    Gloo's connectFullMesh returns on a pair's connecting side once that side has written its
+    sequence number, before the listening side has taken the connection. A rank that went on and
+    left (the wrapper's first backward raising its expected error, then destroy_process_group
+    and exit) closed the socket under its peer, whose construction then failed with "Connection
+    closed by peer" in place of its own error (tests/multirank/test_errors.py's missing sparse
+    gradient: 4 runs in 30 beside a busy process, torch 2.13). A rank whose construction failed
+    closes its connections as it lets go of the backend, and the others' barrier fails then
+    (a quarter of a second at 2 ranks), not at the group's timeout."""
+    try:
+        backend.barrier().wait()
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"pyreducer: the one-thread Gloo backend for {purpose} over group "
+            f"{group.group_name!r}: expected every one of its {backend.size()} ranks to build "
+            f"it; rank {backend.rank()} did, and its barrier over them found: {error}") from error
 
 
 def _devices(group) -> list:

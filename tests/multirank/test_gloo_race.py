@@ -68,3 +68,44 @@ def test_sparse_scenarios_repeated_match_torch_ddp_without_crashing():
         assert mine["runs_equal_to_the_first"]
         for name in soak.NAMES:
             assert soak.same(mine[name], theirs[name]), (rank, name)
+
+
+def slow_build_worker(rank, world_size):
+    """Rank 1's backend constructor takes a second longer (a listening side slow to take its
+    connection, as under load); each rank says when its own construction ended and when
+    one_thread_backend returned."""
+    import time
+
+    import torch.distributed as dist
+
+    from pyreducer.wrapper import gloo_race
+
+    built = {}
+
+    class SlowOnRank1(dist.ProcessGroupGloo):
+        def __init__(self, *args):
+            super().__init__(*args)
+            if rank == 1:
+                time.sleep(1.0)
+            built["at"] = time.time()
+
+    real, dist.ProcessGroupGloo = dist.ProcessGroupGloo, SlowOnRank1
+    try:
+        gloo_race.one_thread_backend(None, "test")
+    finally:
+        dist.ProcessGroupGloo = real
+    return dict(built=built["at"], returned=time.time())
+
+
+def test_one_thread_backend_returns_once_every_rank_built_it():
+    """No rank leaves one_thread_backend while another is still building its backend: a rank
+    that went on, failed and exited would close the connection the other is still taking
+    (Gloo's "Connection closed by peer" in its construction; gloo_race.py)."""
+    from pyreducer.testing import run_ranks
+
+    results = run_ranks(slow_build_worker, 2, timeout_s=60)
+    last_built = max(r["built"] for r in results)
+    for rank, r in enumerate(results):
+        assert r["returned"] >= last_built, \
+            f"rank {rank} returned {last_built - r['returned']:.2f} s before rank " \
+            f"{max(range(2), key=lambda k: results[k]['built'])} had built its backend"

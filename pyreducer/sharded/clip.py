@@ -54,6 +54,7 @@ class Clip:
         self.layout = None
         self.indices: dict[tuple[int, ...], torch.Tensor] = {}
         self.cuts: dict[tuple[int, ...], tuple] = {}
+        self.orders: dict[tuple, list[torch.dtype]] = {}  # dtypes -> torch's group order
 
     def __call__(self, pieces, order: list[int], max_norm: float, comm,
                  unused: set[int]) -> torch.Tensor:
@@ -91,7 +92,7 @@ class Clip:
         if not listed:
             return torch.tensor(0.0)  # (torch's, for no gradients)
         parts = [norms.index_select(0, self._index(group, device)).to(dtype)
-                 for dtype, group in _by_dtype(listed, params).items()]
+                 for dtype, group in self._torch_groups(listed, params, device).items()]
         total = torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))
         coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         grads = [grad for i in sorted(held) for grad in held[i]]
@@ -111,6 +112,21 @@ class Clip:
             self.cuts[key] = (sent, max(sum(p.numel for p in mine) for mine in sent),
                               [i for i in group if owners[i][0] == rank])
         return self.cuts[key]
+
+    def _torch_groups(self, listed: list[int], params, device) -> dict[torch.dtype, list[int]]:
+        """`listed` grouped by dtype in the order torch's clip stacks the groups' norms: that of
+        torch's own grouping (_group_tensors_by_device_and_dtype: a hash map's, not the order
+        of appearance), asked once per sequence of dtypes with empty stand-ins (the total's
+        rounding depends on it where dtypes mix)."""
+        groups = _by_dtype(listed, params)
+        key = tuple(groups)
+        if key not in self.orders:
+            from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+            stand_ins = [torch.empty(0, dtype=dtype, device=device) for dtype in key]
+            self.orders[key] = [dtype for _, dtype in
+                                _group_tensors_by_device_and_dtype([stand_ins])]
+        return {dtype: groups[dtype] for dtype in self.orders[key]}
 
     def _index(self, positions: list[int], device: torch.device) -> torch.Tensor:
         """`positions` as an index tensor on `device`, made once per layout."""

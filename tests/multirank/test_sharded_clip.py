@@ -64,3 +64,45 @@ def test_a_clip_dispatches_the_same_operations_for_4_times_the_parameters(ranks_
         assert len(small["cut"]) == len(large["cut"]) == 1, (small["cut"], large["cut"])
         assert small["lays_out"] == large["lays_out"], (small, large)
         assert large["ops"] == small["ops"], f"rank {rank}: {small['ops']} vs {large['ops']}"
+
+
+class _Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16, dtype=torch.float64)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x.double()).tanh().float()).tanh().double())
+
+
+def mixed_dtypes_worker(rank, world_size):
+    """float32 and float64 layers, float64 first: torch stacks the groups' norms in its own
+    grouping's order (a hash map's), which the total's rounding depends on."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyreducer import DistributedDataParallel
+
+    torch.manual_seed(5)
+    base = _Mixed()
+    totals = {}
+    for name, cls in (("torch", TorchDDP), ("ours", DistributedDataParallel)):
+        model = cls(copy.deepcopy(base), bucket_cap_mb=0.002)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if name == "ours":
+            opt = model.overlap_optimizer(opt, shard=True)
+        gen = torch.Generator().manual_seed(rank)
+        totals[name] = []
+        for _ in range(3):
+            model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+            totals[name].append(opt.clip_grad_norm_(1e-3) if name == "ours" else
+                                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
+            opt.step()
+            opt.zero_grad()
+    return totals
+
+
+def test_mixed_dtypes_total_norm_is_torchs(ranks_once):
+    for rank, r in enumerate(ranks_once(mixed_dtypes_worker, 3, ())):
+        assert all(torch.equal(a, b) for a, b in zip(r["ours"], r["torch"])), (rank, r)

@@ -223,11 +223,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Between iterations, the same on every rank. Python thread.
   void set_sparse_backend(BackendPtr backend);
 
-  // See Note [Sharded buckets]: `sharded` on reallocates every bucket padded, with its shard,
-  // reduce-scattered by `ring` if given (Note [Ring collectives on Gloo]), else on `backend`
-  // (null: on the group); off, as before. Keeps a pending rebuild.
-  // Between iterations with nothing pending, the same on every rank; std::runtime_error with a
-  // communication hook, sparse gradients, or chunks in the launch order. Python thread.
+  // See Note [Sharded buckets]: on, buckets are reallocated padded, with shards reduce-scattered
+  // by `ring` if given (Note [Ring collectives on Gloo]), else on `backend` (null: the group);
+  // off, as before; a pending rebuild stays. Between iterations with nothing pending, the same
+  // on every rank (std::runtime_error with a hook, sparse gradients or chunks). Python thread.
   void set_sharded(bool sharded, BackendPtr backend,
                    std::shared_ptr<RingCollectives> ring = nullptr);
   // Each bucket's shard (see Note [Sharded buckets]): valid once the bucket is completed, until
@@ -377,17 +376,17 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void copy_into_slot(size_t index, at::Tensor& slot);
   void launch_ready_buckets();
   void launch_chunk(size_t b);  // bucket b's next chunk (its only one with a hook)
-  // Launches the collective of bucket b's chunk `chunk` of `chunks` (its elements `flat`): an
-  // all-reduce, or a reduce-scatter into its shard (see Note [Sharded buckets]), into
-  // bucket.works (or bucket.ring_job).
+  // Launches bucket b's chunk `chunk` of `chunks` (elements `flat`): an all-reduce, or a reduce-
+  // scatter into its shard (Note [Sharded buckets]), into bucket.works (or bucket.ring_job).
   void launch_reduction(size_t b, at::Tensor& flat, size_t chunk, size_t chunks, StampPtr done);
   void copy_bucket_in(size_t b);  // batched_grad_copy: the whole bucket at once
   void launch_used_map_allreduce();
   bool all_locally_used() const;
   void wait_and_copy_out();
-  void wait_bucket(size_t b);      // its result is in bucket.flat afterwards
-  // Bucket b's reduction was waited for: its done time into the record it was launched in, if
-  // that record is still in its slot (Note [Completion stamps] in timeline.h).
+  // reducer_wait.cpp: the result in bucket.flat (a hook's checked); the done time into the
+  // record it was launched in, if still in its slot (Note [Completion stamps] in timeline.h).
+  void wait_bucket(size_t b);
+  void take_hook_result(size_t b);
   void record_done(size_t b);
   void copy_out_bucket(size_t b);  // bucket.flat into param.grad (see Note [Reducer iteration])
   void note_local_finite(Bucket& bucket);  // See Note [Finite check]

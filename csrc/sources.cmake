@@ -23,6 +23,7 @@ set(PYREDUCER_CORE_SOURCES
     csrc/reducer_control.cpp
     csrc/reducer_finite.cpp
     csrc/reducer_timeline.cpp
+    csrc/reducer_wait.cpp
     csrc/ring.cpp
     csrc/ring_gather.cpp
     csrc/timeline.cpp)

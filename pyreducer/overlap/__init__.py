@@ -6,6 +6,8 @@ and the next forward updates each bucket's parameters just before their first re
   - optimizer.py       OverlapOptimizer: recording step() and zero_grad(), the per-bucket
                        updates, reads before the forward, state_dict;
   - pending.py         the class a parameter wears while its update is pending;
+  - bypass.py          reads that reach a parameter around that class (aliases in modules);
+  - module_hooks.py    the forward hooks on the user's modules, holding the optimizer weakly;
   - subset_step.py     one bucket's update with the optimizer's own math (Note [One step, in
                        buckets]);
   - fences.py          CUDA stream fences around write-backs and updates (compiled, not run);

@@ -39,36 +39,14 @@ import torch
 
 from pyreducer._ext import _C
 from pyreducer.overlap import bypass, pending, subset_step
+from pyreducer.overlap.module_hooks import InertHook, ModuleHook
 from pyreducer.overlap.clipping import Clipping
 from pyreducer.overlap.fences import Fences
 from pyreducer.overlap.schedule_tuner import ScheduleTuner
 from pyreducer.wrapper import arguments
 
+_InertHook = InertHook  # (its name here before: modules saved then unpickle to it)
 HISTORY = 16  # iterations whose overlap events are kept (the timeline keeps 8 by default)
-
-
-class _ModuleHook:
-    """A hook the overlapped optimizer puts on the user's modules: calls `method` of the
-    optimizer while it lives. A copy of the module (copy.deepcopy, torch.save of the module)
-    gets a hook that does nothing: the copy is not overlapped, and the optimizer is neither
-    pickled nor copied with it."""
-
-    def __init__(self, method):
-        self.method = weakref.WeakMethod(method)
-
-    def __call__(self, *args, **kwargs):
-        method = self.method()
-        return None if method is None else method(*args, **kwargs)
-
-    def __reduce__(self):
-        return (_InertHook, ())
-
-
-class _InertHook:
-    """What a _ModuleHook becomes in a copy of the module."""
-
-    def __call__(self, *args, **kwargs):
-        return None
 
 
 def _keep_eager() -> None:
@@ -164,12 +142,12 @@ class OverlapOptimizer(Clipping, torch.optim.Optimizer):
         self.running: list[str] = []
         # (searched for aliases at step(): Note [Reads around the pending class] in bypass.py)
         self.modules = list(module.modules())
-        self.handles = [m.register_forward_pre_hook(_ModuleHook(self._before_module))
+        self.handles = [m.register_forward_pre_hook(ModuleHook(self._before_module))
                         for m in self.modules]
-        self.handles += [m.register_forward_hook(_ModuleHook(self._after_module),
+        self.handles += [m.register_forward_hook(ModuleHook(self._after_module),
                                                  always_call=True) for m in self.modules]
-        self.handles.append(module.register_forward_pre_hook(_ModuleHook(self._before_root)))
-        self.handles.append(module.register_state_dict_pre_hook(_ModuleHook(self._synchronize_for)))
+        self.handles.append(module.register_forward_pre_hook(ModuleHook(self._before_root)))
+        self.handles.append(module.register_state_dict_pre_hook(ModuleHook(self._synchronize_for)))
 
     @property
     def schedule_log(self) -> list[dict]:

@@ -206,8 +206,8 @@ def _add_harness_commands(commands) -> None:
                       help="cases per set of spawned ranks; default 10")
     fuzz.add_argument("--actions", action="store_true",
                       help="fuzz user actions around the overlapped and sharded optimizers "
-                           "(state_dict, evaluation forwards, checkpoints, clips, ...) instead "
-                           "of models and options")
+                           "(state_dict, evaluation forwards, checkpoints, clips, ...); default: "
+                           "random models and DDP options")
     fuzz.add_argument("--json", metavar="PATH", help="write every case's outcome here")
 
 

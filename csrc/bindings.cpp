@@ -324,7 +324,8 @@ void bind_quorum_hook(py::module_& m) {
            py::arg("participants"), py::arg("participating"), RELEASE)
       .def("skip_step", &QuorumHook::skip_step, py::arg("why"), RELEASE)
       .def("refuse_step", &QuorumHook::refuse_step, py::arg("why"), RELEASE)
-      .def("step_error", &QuorumHook::step_error, RELEASE);
+      .def("step_error", &QuorumHook::step_error, RELEASE)
+      .def("holds_group", &QuorumHook::holds_group, RELEASE);
 }
 
 // Note [Letting the Reducer go without the GIL]

@@ -70,6 +70,11 @@ void QuorumHook::backward_ended() {
   if (step_) step_->group.reset();  // run() reads it on the autograd thread of this backward
 }
 
+bool QuorumHook::holds_group() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return step_ && step_->group;
+}
+
 std::string QuorumHook::step_error() const {
   std::shared_ptr<Step> step;
   {

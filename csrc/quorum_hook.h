@@ -67,6 +67,10 @@ class QuorumHook : public CommHook {
   // The first failure of the last step begun ("" if none), and whether it reduced nothing.
   std::string step_error() const;
 
+  // Whether it holds a step's process group (between begin_step and the end of that step's
+  // backward). Any thread.
+  bool holds_group() const;
+
   FuturePtr run(GradBucketView& bucket) override;
   std::string name() const override { return "torchft quorum all-reduce"; }
 

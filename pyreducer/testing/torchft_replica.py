@@ -191,7 +191,8 @@ def main(config: dict) -> None:
     if config.get("edges"):
         edges["before_quorum"] = _edge(ddp, replica, config.get("model", "small"))
     _train(config, manager, ddp, optimizer, failing)
-    if config.get("edges"):
+    if config.get("edges"):  # (the last backward has ended: its quorum's group is let go)
+        edges["holds_group"] = ddp._quorum.holds_group()
         edges["after_commit"] = _edge(ddp, replica, config.get("model", "small"))
     torch.save(dict(replica=replica, attempt=attempt, edges=edges,
                     params={n: p.detach().clone() for n, p in ddp.module.named_parameters()},

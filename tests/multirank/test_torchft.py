@@ -252,7 +252,8 @@ def test_a_dropped_wrapper_is_freed_and_its_module_rewrapped():
 def test_a_backward_without_a_quorum_of_its_own_is_refused_before_any_all_reduce(tmp_path):
     """Before the first start_quorum() and after the last should_commit(), a forward with grad
     on (an evaluation) runs, and its backward raises, naming the replica (Note [One quorum, one
-    backward]); the steps between match torchft's own DDP's, bit for bit."""
+    backward]); the steps between match torchft's own DDP's, bit for bit; after the last
+    backward the wrapper no longer holds its quorum's process group."""
     ours = job.run_job("pyreducer", 2, 4, tmp_path / "ours", edges=True)
     theirs = job.run_job("torchft", 2, 4, tmp_path / "theirs")
     for replica, result in ours["results"].items():
@@ -260,6 +261,7 @@ def test_a_backward_without_a_quorum_of_its_own_is_refused_before_any_all_reduce
         assert edges["before_quorum"]["forward"] is None, edges
         assert "no quorum started" in edges["before_quorum"]["backward"], edges
         assert f"replica replica_{replica}" in edges["before_quorum"]["backward"], edges
+        assert edges["holds_group"] is False, edges  # let go when the backward ended
         assert edges["after_commit"]["forward"] is None, edges
         assert "after should_commit() judged step 3's quorum" in \
             edges["after_commit"]["backward"], edges

@@ -18,9 +18,11 @@
 // already errored (skip_step) reduces nothing, as torchft's allreduce returns its input then.
 // A survivor may still wait in an all-reduce that another survivor gave up at its own failure
 // (Gloo's ring: that replica sends no further chunks of it), until that replica's next quorum
-// rebuilds its group (the old group's connections close) or the Gloo timeout ends the wait:
-// about 2.5 s on emulated hosts (benchmarks/results/torchft_20261129.md). Launching the later
-// buckets anyway did not shorten it (measured), and torch 2.13's Gloo backend cannot be aborted.
+// rebuilds its group (the old group's connections close: this hook lets go of each step's
+// group when its backward ends, so only the Manager holds it then) or the Gloo timeout ends the
+// wait: 2.1-2.2 s on emulated hosts with the Lighthouse's 2 s heartbeat timeout
+// (benchmarks/results/torchft_failure_20261207.md). Launching the later buckets anyway did not
+// shorten it (measured), and torch 2.13's Gloo backend cannot be aborted.
 #pragma once
 
 #include <cstdint>

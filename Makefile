@@ -207,7 +207,7 @@ soak: build
 	$(VPY) -m pyreducer soak --steps $(SOAK_STEPS) --overlap --json $(SOAK_OUT)/overlap.json --plot $(SOAK_OUT)/overlap.png
 
 # Differential fuzzing against torch DDP, of models and options, then of user actions around the
-# overlapped and sharded steps (tests/multirank/test_fuzz.py runs slices of 40 and 250 cases).
+# overlapped and sharded steps (tests/multirank/test_fuzz.py runs slices of 40 and 200 cases).
 FUZZ_CASES ?= 500
 FUZZ_SEED ?= 1
 fuzz: build

@@ -168,7 +168,9 @@ def _continuation_hook(state, bucket):
     return continued
 
 
-def late_stamp_worker(rank, world_size, hook_name, keep):
+def late_stamp_worker(rank, world_size, hook_name):
+    """For a ring of one slot and of KEEP: the last record read at once after each backward,
+    and again once every late callback has run."""
     import time
 
     from pyreducer import DistributedDataParallel
@@ -176,35 +178,38 @@ def late_stamp_worker(rank, world_size, hook_name, keep):
 
     hook = {"threaded": _threaded_hook, "continuation": _continuation_hook}[hook_name]
     spec = models.spec("mlp")
-    torch.manual_seed(0)
-    model = DistributedDataParallel(spec.build(), bucket_cap_mb=0.2, timeline_iterations=keep)
-    model.register_comm_hook(None, hook)
-    gen = torch.Generator().manual_seed(rank)
-    at_return, settled = [], []
-    for _ in range(3):
-        spec.loss(model, spec.batch(gen, 16)).backward()
-        at_return.append(model.timeline(last=1)[-1])  # read as soon as backward returned
-    time.sleep(4 * SLOW_S * len(model.bucket_plan()))  # every late callback has run now
-    settled.append(model.timeline(last=1)[-1])
-    return dict(at_return=at_return, settled=settled)
+    out = {}
+    for keep in (1, KEEP):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(spec.build(), bucket_cap_mb=0.2,
+                                        timeline_iterations=keep)
+        model.register_comm_hook(None, hook)
+        gen = torch.Generator().manual_seed(rank)
+        at_return = []
+        for _ in range(3):
+            spec.loss(model, spec.batch(gen, 16)).backward()
+            at_return.append(model.timeline(last=1)[-1])  # read as soon as backward returned
+        time.sleep(4 * SLOW_S * len(model.bucket_plan()))  # every late callback has run now
+        out[keep] = dict(at_return=at_return, settled=[model.timeline(last=1)[-1]])
+    return out
 
 
-@pytest.mark.parametrize("keep", [1, KEEP], ids=["one_slot", "ring"])
 @pytest.mark.parametrize("hook_name", ["threaded", "continuation"])
-def test_completions_are_stamped_before_backward_returns(hook_name, keep):
+def test_completions_are_stamped_before_backward_returns(hook_name):
     """Every launched bucket's done time is there when backward returns, between its launch and
     the end of the wait; a callback that runs later does not change a record (with one slot, the
     next step's)."""
     from pyreducer.testing import run_ranks
 
-    results = run_ranks(late_stamp_worker, 2, args=(hook_name, keep), timeout_s=180)
-    for rank, result in enumerate(results):
-        for when in ("at_return", "settled"):
-            for rec in result[when]:
-                bad = [(b["index"], b["launch_ns"], b["done_ns"]) for b in rec["buckets"]
-                       if not 0 < b["launch_ns"] <= b["done_ns"] <= rec["wait_end_ns"]]
-                assert not bad, (f"rank {rank}, {when}, iteration {rec['iteration']}: buckets "
-                                 f"(index, launch_ns, done_ns) outside (0, wait_end_ns="
-                                 f"{rec['wait_end_ns']}]: {bad}")
-        assert result["settled"][-1] == result["at_return"][-1], \
-            f"rank {rank}: the last record changed after backward returned"
+    results = run_ranks(late_stamp_worker, 2, args=(hook_name,), timeout_s=180)
+    for rank, by_keep in enumerate(results):
+        for keep, result in by_keep.items():
+            for when in ("at_return", "settled"):
+                for rec in result[when]:
+                    bad = [(b["index"], b["launch_ns"], b["done_ns"]) for b in rec["buckets"]
+                           if not 0 < b["launch_ns"] <= b["done_ns"] <= rec["wait_end_ns"]]
+                    assert not bad, (f"rank {rank}, {keep} slots, {when}, iteration "
+                                     f"{rec['iteration']}: buckets (index, launch_ns, done_ns) "
+                                     f"outside (0, wait_end_ns={rec['wait_end_ns']}]: {bad}")
+            assert result["settled"][-1] == result["at_return"][-1], \
+                f"rank {rank}, {keep} slots: the last record changed after backward returned"

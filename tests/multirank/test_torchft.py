@@ -153,7 +153,9 @@ def test_a_stalled_replica_is_dropped_never_a_hang(tmp_path):
     """Replica 1 stops itself (SIGSTOP) during step 4's all-reduce: the survivor's all-reduce
     fails at the Gloo timeout (5 s), the Lighthouse drops the silent replica (heartbeat timeout
     2 s), and the survivor finishes alone; the job then kills the stopped process."""
-    run = job.run_job("pyreducer", 2, STEPS, tmp_path, min_replicas=1,
+    # (together: with min_replicas=1, a replica started late under load would join after step
+    # FAIL_STEP, and the survivor would have no failed attempt to show)
+    run = job.run_job("pyreducer", 2, STEPS, tmp_path, min_replicas=1, start_together=True,
                       fail=dict(replica=1, step=FAIL_STEP, kind="sigstop"))
     survivor = [e for e in run["log"] if e["replica"] == 0]
     assert [e["step"] for e in survivor if e["committed"]] == list(range(STEPS)), survivor
@@ -188,7 +190,8 @@ def test_the_guides_script_runs_with_its_commands(tmp_path):
     lighthouse = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"), "--min_replicas",
          "2", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000", "--bind",
-         f"[::]:{lighthouse_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         f"[::]:{lighthouse_port}"], stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "lighthouse.log", "w"))
     env = subprocess_env(TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse_port}",
                          OMP_NUM_THREADS="1")
     logs = [tmp_path / f"group{g}.log" for g in range(2)]
@@ -205,7 +208,10 @@ def test_the_guides_script_runs_with_its_commands(tmp_path):
             try:
                 group.wait(timeout=100)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"{log.name} still running after 100 s: {log.read_text()[-3000:]}")
+                tails = "\n".join(f"--- {other.name}:\n{other.read_text()[-3000:]}"
+                                  for other in logs)
+                pytest.fail(f"{log.name} still running after 100 s (the Lighthouse's log: "
+                            f"{tmp_path / 'lighthouse.log'}):\n{tails}")
     finally:
         for process in [lighthouse] + groups:
             process.kill()

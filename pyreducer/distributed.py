@@ -29,6 +29,7 @@ from pyreducer.tuning.autotune import AutoTuner
 from pyreducer.tuning.control import BucketTuning
 from pyreducer.wrapper import (arguments, bucketing, failures, nested, precision, sync, teardown,
                                torch_versions)
+from pyreducer.wrapper import pending_buffers
 from pyreducer.wrapper import timeline as timeline_module
 from pyreducer.wrapper.ddp_logging import DDPLogger
 from pyreducer.wrapper.delayed import DelayedAllReduce
@@ -80,6 +81,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     """
 
     _buffer_group = None  # overlap_optimizer(): Note [Buffers beside deferred reductions]
+    _buffer_broadcast = None  # ... and Note [Buffers awaited where read] (pending_buffers.py)
     _compiled = None  # CompiledSplits; none where every parameter's all-reduce is delayed
 
     # A subclass whose replicas must build the same buckets without a collective (pyreducer.torchft:
@@ -282,7 +284,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                     inputs, kwargs = self._pre_forward(inputs, kwargs)
                 with nullcontext() if self._overlap is None else self._overlap.around_forward(
                         self._tune_now):
-                    output = self._compiled.call(outer, self.module, inputs, kwargs)
+                    try:
+                        output = self._compiled.call(outer, self.module, inputs, kwargs)
+                    finally:  # no buffer stays pending outside the forward
+                        if self._buffer_broadcast is not None:
+                            self._buffer_broadcast.complete()
                 return self._post_forward(output)
         finally:
             frames.swap_callback(outer)
@@ -372,6 +378,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not self._params.buffers():
             return
         src = find_common_rank(self._params, True) if self._join_config.enable else 0
+        if self._buffer_broadcast is not None:
+            self._buffer_broadcast.complete()  # (a forward that never reached its end)
+            if not self._compiled.active() and pending_buffers.eligible(
+                    self._params.buffers(), list(self.module.modules())):
+                self._buffer_broadcast.launch(self._params.buffers(), src)
+                return
         sync.sync_buffers(self._params, src, group=self._buffer_group)
 
     # -- inspection ------------------------------------------------------------------------------
@@ -583,11 +595,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             autotune=self._autotune, replacing=self._overlap, **options)
         if self._params.buffers() and self._params.world_size > 1:
             self._buffer_group = sync.side_group(self._params.process_group, self._params.device)
+            if self._buffer_group is not None:
+                self._buffer_broadcast = pending_buffers.BufferBroadcast(self._buffer_group)
         return self._overlap
 
     def synchronize(self) -> None:
         """Completes every pending reduction and update of an overlapped optimizer (nothing
         otherwise): parameters and gradients are then final, as after a DDP step."""
+        if self._buffer_broadcast is not None:
+            self._buffer_broadcast.complete()
         if self._overlap is not None:
             self._overlap.synchronize()
 

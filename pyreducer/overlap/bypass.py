@@ -29,12 +29,15 @@ from torch import nn
 _SKIPPED = frozenset(("_parameters", "_modules"))  # (the _buffers dict is searched)
 
 
-def aliased(modules: list[nn.Module], params: list[torch.Tensor]) -> list[torch.Tensor]:
+def aliased(modules: list[nn.Module], params: list[torch.Tensor],
+            ignore: list[torch.Tensor] = ()) -> list[torch.Tensor]:
     """The parameters among `params` whose memory an attribute or buffer of one of `modules`
-    shares (a view or .data of it, not a parameter), in `params`' order: attributes holding a
-    tensor, or tensors in a list, tuple or dict. Runs at every step(): kept to one pass over
-    the modules' attributes (0.8 ms for a 12-layer GPT-2's 164 modules, on this project's
-    2-core machine)."""
+    shares (a view or .data of it, not a parameter, not one of `ignore`), in `params`' order:
+    attributes holding a tensor, or tensors in a list, tuple or dict. Runs at every step():
+    kept to one pass over the modules' attributes (0.8 ms for a 12-layer GPT-2's 164 modules,
+    on this project's 2-core machine). Also asked of buffers (pending_buffers.py: `params`
+    the buffers, `ignore` them too)."""
+    ignored = {id(t) for t in ignore}
     held: list[torch.Tensor] = []
     for m in modules:
         for key, value in vars(m).items():
@@ -51,7 +54,8 @@ def aliased(modules: list[nn.Module], params: list[torch.Tensor]) -> list[torch.
             if p.numel():
                 where.setdefault(p.untyped_storage().data_ptr(), []).append(p)
         for tensor in held:
-            if tensor.numel() and not isinstance(tensor, nn.Parameter):
+            if tensor.numel() and not isinstance(tensor, nn.Parameter) \
+                    and id(tensor) not in ignored:
                 for p in where.get(tensor.untyped_storage().data_ptr(), ()):
                     found[id(p)] = p
     return [p for p in params if id(p) in found]

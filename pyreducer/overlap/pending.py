@@ -60,7 +60,7 @@ def _pending_torch_function(cls, func, types, args=(), kwargs=None):
     __torch_function__ of its own (a quantized or float8 parameter) keeps it while pending."""
     kwargs = kwargs or {}
     if not is_metadata(func):
-        for value in _tensors_in(args, kwargs):
+        for value in tensors_in(args, kwargs):
             overlap = getattr(value, "_pyreducer_overlap", None)
             if overlap is not None:
                 overlap.update_parameter(value, func)
@@ -78,7 +78,7 @@ def _own_class(cls: type) -> type:
     return cls.__mro__[1] if cls.__dict__.get("_pyreducer_pending") else cls
 
 
-def _tensors_in(args, kwargs):
+def tensors_in(args, kwargs):
     """Every tensor in `args` and `kwargs`, at any depth of lists, tuples and dicts (a library
     function may pass its tensors to handle_torch_function inside a dict)."""
     for value in tree_leaves((args, kwargs)):

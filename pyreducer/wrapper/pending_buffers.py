@@ -1,0 +1,117 @@
+"""The buffers' broadcast awaited where the forward first reads a buffer (Note [Buffers awaited
+where read]), for a wrapper with an overlapped optimizer.
+
+Note [Buffers awaited where read]
+torch DDP broadcasts rank 0's buffers at the start of every forward and waits for it there. With
+an overlapped optimizer the broadcast goes beside the reductions still in flight (Note [Buffers
+beside deferred reductions], sync.py), but it still crosses the link they fill: on 2 emulated
+hosts at 1 Gbit/s it waited tens of milliseconds each forward, with the model's first layer
+waiting behind it (Hugging Face's ResNet-18: the overlap lost about 90 ms a step to it and was
+1.11 of the barrier; benchmarks/results/third_party_20261207.md). Here:
+  - the buffers go as one collective: their bytes packed into one flat uint8 tensor (torch DDP,
+    and sync.broadcast_coalesced, send one per dtype: BatchNorm's float statistics and its
+    int64 counters make two), asynchronously;
+  - the source rank does not wait: it sends a copy, and its buffers already hold the values.
+    Its work is waited at the next broadcast (long done by then) or when the wrapper ends;
+  - on the other ranks each buffer wears PendingBuffer until the broadcast lands: the first
+    torch function that reads or writes one of them (BatchNorm's `num_batches_tracked.add_(1)`,
+    `F.batch_norm`, a `state_dict()`) waits for it and copies rank 0's bytes into every buffer,
+    then runs. Metadata reads (shape, dtype, ...) pass. Whatever the forward did not read is
+    completed when it returns (or raises): outside the forward no buffer is ever pending.
+The values, their source and the collectives' order on the group are torch DDP's: a buffer
+holds rank 0's bytes before anything reads it. The version counters are kept, as in
+sync.sync_buffers. What a torch function cannot see falls back to the wait at the forward's start:
+buffers that are not plain contiguous tensors on one device, a module attribute holding a view
+of a buffer (bypass.aliased), a compiled module (dynamo would trace the class), and the first
+forwards while nothing is in flight (the wrapper decides: distributed.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pyreducer.overlap import bypass
+from pyreducer.overlap.pending import is_metadata, tensors_in
+
+
+class PendingBuffer(torch.Tensor):
+    """The class a buffer wears while rank 0's bytes are on their way to it."""
+
+    _pyreducer_pending_buffer = True
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if is_metadata(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        for value in tensors_in(args, kwargs):
+            landing = getattr(value, "_pyreducer_landing", None)
+            if landing is not None:
+                landing.complete()  # every buffer of it wears torch.Tensor again
+        # Dispatched again, not run: the other arguments' classes act too (a pending
+        # parameter's update: F.batch_norm's weight, after its running statistics).
+        return func(*args, **kwargs)
+
+
+def eligible(buffers: list[torch.Tensor], modules) -> bool:
+    """Whether every buffer can wait where it is read: plain contiguous tensors on one device,
+    none of whose memory a module attribute shares (a view of it would be read unseen)."""
+    if not buffers or any(type(b) is not torch.Tensor or not b.is_contiguous() for b in buffers):
+        return False
+    if len({b.device for b in buffers}) != 1:
+        return False
+    return not bypass.aliased(modules, buffers, ignore=buffers)
+
+
+class BufferBroadcast:
+    """One wrapper's buffers broadcast over `group` (the side group: every rank of the default
+    group), awaited where read. launch() at the start of a forward, complete() when it
+    returns."""
+
+    def __init__(self, group):
+        self.group = group
+        self._work = None  # the last broadcast's work (the source's, until waited)
+        self._flat: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor] = []  # pending on this rank (none on the source)
+
+    def launch(self, buffers: list[torch.Tensor], src: int) -> None:
+        """Starts the broadcast of `buffers` (eligible ones) from `src` (a rank of the group)
+        and, off the source, makes them pending. The previous broadcast is completed first."""
+        self.complete()
+        global_src = dist.get_global_rank(self.group, src)
+        with torch.no_grad():
+            flat = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in buffers])
+        self._work = dist.broadcast(flat, global_src, group=self.group, async_op=True)
+        if dist.get_rank() == global_src:
+            return  # it sent a copy; its buffers hold the values (waited at the next launch)
+        self._flat = flat
+        self._buffers = list(buffers)
+        for b in self._buffers:
+            b._pyreducer_landing = self
+            b.__class__ = PendingBuffer
+
+    def pending(self) -> bool:
+        """Whether this rank's buffers still wait for the broadcast."""
+        return bool(self._buffers)
+
+    def complete(self) -> None:
+        """Waits for the broadcast (the group's timeout bounds it), then gives every pending
+        buffer rank `src`'s bytes and its own class back. Idempotent."""
+        work, self._work = self._work, None
+        buffers, self._buffers = self._buffers, []
+        flat, self._flat = self._flat, None
+        for b in buffers:  # first: the copies below must not come back here
+            b.__class__ = torch.Tensor
+            del b._pyreducer_landing
+        if work is None:
+            return
+        work.wait()
+        if not buffers:
+            return
+        offset = 0
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            for b in buffers:
+                raw = b.detach().reshape(-1).view(torch.uint8)
+                raw.copy_(flat[offset:offset + raw.numel()])
+                offset += raw.numel()

@@ -14,6 +14,7 @@ after a check that the communicating ones end with the same parameters. Variants
              --hold-back K the first layers' K buckets first); time it with --loop-steps N
   overlap    pyreducer with its own schedule: autotuned caps, then the overlapped optimizer's
              planned and measured schedule (70 warm-up steps)
+  sharded    the same with the optimizer's state and update sharded (overlap_optimizer(shard=True))
 With --loop-steps N every variant is timed in blocks of N steps with no barrier inside (the
 per-step barrier would wait behind the overlapped variant's in-flight buckets and erase the
 overlap being measured); blocks alternate like steps.
@@ -46,12 +47,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(os.path.join(HERE, ".."))
 
+from pyreducer.testing import third_party  # noqa: E402
 from pyreducer.tools.netem import EmulatedCluster, NetemUnavailable, check_available  # noqa: E402
 
 sys.path.insert(0, HERE)
 from tables import plot_sweep  # noqa: E402
 
-ALL = "compute,per_param,flat,torch,pyreducer,auto,overlapped,overlap"
+ALL = "compute,per_param,flat,torch,pyreducer,auto,overlapped,overlap,sharded"
 
 
 def run_one(model, link, nproc, variants, caps, args) -> dict:
@@ -134,7 +136,7 @@ def table(result) -> str:
         if graphs:
             lines.append(f"    pyreducer split {len(graphs)} captured graph(s) into "
                          f"{[g['pieces'] for g in graphs]} piece(s) at its buckets")
-        for variant in ("overlapped", "overlap"):
+        for variant in ("overlapped", "overlap", "sharded"):
             lines += schedule_lines(variant, entry)
         if "backward_under_comm_ms" in entry:
             lines.append(f"    backward while a flat all-reduce runs: "
@@ -174,7 +176,7 @@ def draw_overlap_gantts(result, path) -> None:
     from pyreducer.observe import plot
 
     for cap, entry in result["results"].items():
-        for variant in ("overlapped", "overlap"):
+        for variant in ("overlapped", "overlap", "sharded"):
             if not entry.get(f"{variant}_timeline"):
                 continue
             if len(plot.overlapped_iterations(entry[f"{variant}_timeline"])) < 2:
@@ -227,7 +229,12 @@ def cpu_model() -> str:
 
 def environment(args):
     import torch
-    return dict(torch=torch.__version__, python=platform.python_version(),
+    try:
+        import transformers
+        packages = dict(transformers=transformers.__version__)
+    except ImportError:
+        packages = {}
+    return dict(torch=torch.__version__, python=platform.python_version(), **packages,
                 cores=os.cpu_count(), machine=platform.machine(), cpu=cpu_model(),
                 backend="gloo",
                 emulation="network namespaces + bridge, tc tbf per host NIC (no latency model)",
@@ -275,8 +282,13 @@ def main(argv=None):
     if hosts_unavailable("bench.py"):
         return 2
     variants = ALL if args.impl == "all" else args.impl
-    results = []
+    results, skipped = [], {}
     for model in args.model.split(","):
+        why = third_party.unavailable(model)
+        if why:
+            print(f"== {model}: skipped: {why}", flush=True)
+            skipped[model] = why
+            continue
         for link in args.link.split(","):
             result = run_one(model, link, args.nproc, variants, args.bucket_cap_mb, args)
             print(table(result), flush=True)
@@ -287,7 +299,8 @@ def main(argv=None):
             results.append(result)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(environment=environment(args), runs=results), f, indent=1)
+            json.dump(dict(environment=environment(args), runs=results, skipped=skipped), f,
+                      indent=1)
         print(f"wrote {args.json}")
     if args.plot:
         plot_sweep(results, args.plot)

@@ -27,8 +27,8 @@ from pyreducer.tools.compare import paired_ratio, summarize  # noqa: E402
 from pyreducer.wrapper.sync import slowest  # noqa: E402
 
 VARIANTS = ("compute", "per_param", "flat", "torch", "pyreducer", "auto", "overlapped",
-            "overlap")
-OVERLAPPED = ("overlapped", "overlap")  # with the overlapped optimizer
+            "overlap", "sharded")
+OVERLAPPED = ("overlapped", "overlap", "sharded")  # with the overlapped optimizer
 # every run tunes from scratch: no decision remembered by an earlier run (pyreducer/tuning/memory.py)
 os.environ["PYREDUCER_TUNING_CACHE"] = "off"
 AUTO_WARMUP = 75  # autotune decides after 50-65 synced iterations (its link probe in pieces)
@@ -77,7 +77,8 @@ def build(variant, base, cap):
     if variant == "torch":
         from torch.nn.parallel import DistributedDataParallel as TorchDDP
         return TorchDDP(module, bucket_cap_mb=cap)
-    if variant in ("auto", "overlap"):  # overlap: autotuned caps, then a planned schedule
+    if variant in ("auto", "overlap", "sharded"):  # overlap, sharded: autotuned caps, then a
+        # planned schedule
         return DistributedDataParallel(module, bucket_cap_mb="auto")
     return DistributedDataParallel(module, bucket_cap_mb=cap)  # pyreducer, overlapped
 
@@ -89,8 +90,8 @@ def optimizer(variant, model, hold_back=0, schedule="auto"):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if variant not in OVERLAPPED:
         return opt
-    if variant == "overlap":  # its own schedule, always
-        return model.overlap_optimizer(opt)
+    if variant in ("overlap", "sharded"):  # its own schedule, always
+        return model.overlap_optimizer(opt, shard=variant == "sharded")
     return model.overlap_optimizer(opt, hold_back=hold_back,
                                    schedule="fifo" if hold_back else schedule)
 
@@ -136,7 +137,8 @@ def schedule_arg(text: str):
 
 
 def parity(spec, base, variants, cap, batch_size, hold_back, schedule, steps=3):
-    """Max |param - pyreducer's param| after `steps` steps from the same start and data."""
+    """Max |param - pyreducer's param| after `steps` steps from the same start and data; for
+    the wrapped variants (those that broadcast rank 0's buffers, as torch DDP), buffers too."""
     finals = {}
     for variant in variants:
         if variant == "compute":
@@ -147,10 +149,13 @@ def parity(spec, base, variants, cap, batch_size, hold_back, schedule, steps=3):
         for _ in range(steps):
             step(model, spec, opt, spec.batch(gen, batch_size))
         finish(model)
-        finals[variant] = [p.detach().clone() for p in model.parameters()]
+        tensors = list(model.parameters())
+        if not isinstance(model, Plain):
+            tensors += list(model.module.buffers())
+        finals[variant] = [t.detach().clone() for t in tensors]
     reference = finals.get("pyreducer") or next(iter(finals.values()))
-    return {v: max((a - b).abs().max().item() for a, b in zip(ps, reference))
-            for v, ps in finals.items()}
+    return {v: max((a.double() - b.double()).abs().max().item() for a, b in zip(ps, reference))
+            for v, ps in finals.items()}  # (zip: a Plain variant's parameters alone)
 
 
 def comm_only_ms(base, reps=5) -> float:
@@ -276,7 +281,8 @@ def main():
         split = []  # compute-only forward/backward/step
         for v in variants:
             warmup = {"auto": AUTO_WARMUP, "overlapped": max(args.warmup, OVERLAP_WARMUP),
-                      "overlap": AUTO_WARMUP + OVERLAP_WARMUP}
+                      "overlap": AUTO_WARMUP + OVERLAP_WARMUP,
+                      "sharded": AUTO_WARMUP + OVERLAP_WARMUP}
             for _ in range(warmup.get(v, args.warmup)):
                 step(built[v], spec, opts[v], spec.batch(gens[v], batch_size))
             extra = settle_schedule(v, built[v], spec, opts[v],

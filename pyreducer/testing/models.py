@@ -238,6 +238,13 @@ BENCH_BATCH = {"mlp_large": 128, "deep_narrow": 512, "transformer": 8, "resnet":
 
 
 def spec(name: str) -> Spec:
+    """The model `name`: one of SPECS, or of pyreducer/testing/third_party.py (models from
+    transformers and torchvision, registered here when first asked for)."""
+    if name not in SPECS:
+        from pyreducer.testing import third_party
+
+        for own, theirs in ((SPECS, third_party.SPECS), (BENCH_BATCH, third_party.BENCH_BATCH)):
+            own.update({k: v for k, v in theirs.items() if k not in own})
     try:
         return SPECS[name]
     except KeyError:

@@ -68,6 +68,8 @@ def run_one(model, link, nproc, variants, caps, args) -> dict:
             argv += ["--interleave"]
         if args.compile:
             argv += ["--compile", args.compile]
+        if args.buffers_at_start:
+            argv += ["--buffers-at-start"]
         if args.loop_steps:
             argv += ["--loop-steps", str(args.loop_steps), "--hold-back", str(args.hold_back),
                      "--schedule", args.schedule]
@@ -114,10 +116,11 @@ def table(result) -> str:
             vs_bound = f"{e['median_ms'] / bound:.3f}" if bound and variant != "compute" else "-"
             lines.append(f"    {variant:10s} {e['median_ms']:10.1f} [{e['p25_ms']:7.1f}, "
                          f"{e['p75_ms']:7.1f}] {ratio:>12s} {vs_bound:>8s}")
-        for variant, paired in entry.get("paired_vs_torch", {}).items():
-            lines.append(f"    {variant} / torch DDP, paired steps: {paired['ratio']:.3f} "
-                         f"(95% CI {paired['ci95'][0]:.3f}-{paired['ci95'][1]:.3f}, "
-                         f"{paired['n']} pairs)")
+        for over, name in (("torch", "torch DDP"), ("auto", "auto (the barrier)")):
+            for variant, paired in entry.get(f"paired_vs_{over}", {}).items():
+                lines.append(f"    {variant} / {name}, paired steps: {paired['ratio']:.3f} "
+                             f"(95% CI {paired['ci95'][0]:.3f}-{paired['ci95'][1]:.3f}, "
+                             f"{paired['n']} pairs)")
         if bound:
             s = entry["compute_split_ms"]
             lines.append(f"    bound = forward {s['forward']:.1f} + max(backward {s['backward']:.1f},"
@@ -138,6 +141,11 @@ def table(result) -> str:
                          f"{[g['pieces'] for g in graphs]} piece(s) at its buckets")
         for variant in ("overlapped", "overlap", "sharded"):
             lines += schedule_lines(variant, entry)
+            waits = entry.get(f"{variant}_buffer_wait_ms")
+            if waits:
+                lines.append(f"    {variant}: the buffers' broadcast waited "
+                             + ", ".join(f"{w:.1f}" for w in waits)
+                             + " ms a forward (median; per rank, the source at its next launch)")
         if "backward_under_comm_ms" in entry:
             lines.append(f"    backward while a flat all-reduce runs: "
                          f"{entry['backward_under_comm_ms']:.1f} ms; bound with it: "
@@ -241,6 +249,7 @@ def environment(args):
                 threads_per_rank=1, date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 steps=args.steps, rounds=args.rounds, warmup=args.warmup,
                 interleave=args.interleave, loop_steps=args.loop_steps,
+                buffers_at_start=args.buffers_at_start,
                 hold_back=args.hold_back, schedule=args.schedule)
 
 
@@ -275,6 +284,9 @@ def main(argv=None):
                              "then wrap), e.g. inductor")
     parser.add_argument("--gantt", metavar="PNG",
                         help="Gantt of pyreducer's last recorded iteration (rank 0), per run")
+    parser.add_argument("--buffers-at-start", action="store_true",
+                        help="an A/B switch: overlapped variants wait for the buffers' broadcast "
+                             "at the forward's start (Note [Buffers awaited where read] off)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json")
     parser.add_argument("--plot", help="PNG of step time vs bucket cap (sweeps)")

@@ -37,6 +37,7 @@ OVERLAP_WARMUP = 84  # the overlapped optimizer plans after ~12 steps (6 of them
 # 2 x 3 x 5 steps; then more steps, if its tuner has not decided yet (settle_schedule)
 SETTLE_MAX = 100  # at most this many more
 COMPILE = None  # --compile: torch.compile's backend for every variant's module (set in main)
+BUFFERS_AT_START = False  # --buffers-at-start (set in main)
 
 
 class Plain:
@@ -91,9 +92,13 @@ def optimizer(variant, model, hold_back=0, schedule="auto"):
     if variant not in OVERLAPPED:
         return opt
     if variant in ("overlap", "sharded"):  # its own schedule, always
-        return model.overlap_optimizer(opt, shard=variant == "sharded")
-    return model.overlap_optimizer(opt, hold_back=hold_back,
-                                   schedule="fifo" if hold_back else schedule)
+        opt = model.overlap_optimizer(opt, shard=variant == "sharded")
+    else:
+        opt = model.overlap_optimizer(opt, hold_back=hold_back,
+                                      schedule="fifo" if hold_back else schedule)
+    if BUFFERS_AT_START:  # the A/B switch: Note [Buffers awaited where read] off
+        model._buffer_broadcast = None
+    return opt
 
 
 def settle_schedule(variant, model, spec, opt, batches) -> int:
@@ -156,6 +161,18 @@ def parity(spec, base, variants, cap, batch_size, hold_back, schedule, steps=3):
     reference = finals.get("pyreducer") or next(iter(finals.values()))
     return {v: max((a.double() - b.double()).abs().max().item() for a, b in zip(ps, reference))
             for v, ps in finals.items()}  # (zip: a Plain variant's parameters alone)
+
+
+def buffer_waits_ms(model) -> list[float] | None:
+    """Per rank, the median wait for the buffers' broadcast over the last forwards (where the
+    first buffer was read; Note [Buffers awaited where read]), or None where not awaited there."""
+    landing = getattr(model, "_buffer_broadcast", None)
+    local = torch.tensor([statistics.median(landing.waits_s) * 1e3 if landing and landing.waits_s
+                          else float("nan")], dtype=torch.float64)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    values = [float(g) for g in gathered]
+    return None if all(v != v for v in values) else values
 
 
 def comm_only_ms(base, reps=5) -> float:
@@ -237,8 +254,13 @@ def main():
                              "auto, fifo, or a chunk size in MB")
     parser.add_argument("--compile", default=None, metavar="BACKEND",
                         help="torch.compile every variant's module with this backend")
+    parser.add_argument("--buffers-at-start", action="store_true",
+                        help="overlapped variants wait for the buffers' broadcast at the "
+                             "forward's start, as before Note [Buffers awaited where read]")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    global BUFFERS_AT_START
+    BUFFERS_AT_START = args.buffers_at_start
     if args.compile:
         global COMPILE
         import torch._dynamo as dynamo  # (binds no local `torch`)
@@ -328,6 +350,9 @@ def main():
         if args.interleave and "torch" in times:
             entry["paired_vs_torch"] = {v: paired_ratio(times[v], times["torch"])
                                         for v in variants if v not in ("torch", "compute")}
+        if args.interleave and "auto" in times:  # the overlap against its own barrier
+            entry["paired_vs_auto"] = {v: paired_ratio(times[v], times["auto"])
+                                       for v in variants if v in OVERLAPPED}
         if split:
             fwd, bwd, opt_step, slow_rank = slowest_rank_split(split, comm_ms)
             entry["compute_split_ms"] = dict(forward=fwd, backward=bwd, step=opt_step,
@@ -356,6 +381,7 @@ def main():
                 entry[f"{v}_buckets"] = len(built[v].bucket_plan())
                 entry[f"{v}_schedule"] = opts[v].schedule_log  # what was planned
                 entry[f"{v}_timeline"] = built[v].timeline(4)  # rank 0's
+                entry[f"{v}_buffer_wait_ms"] = buffer_waits_ms(built[v])
         if "auto" in built:
             entry["auto_log"] = built["auto"].autotune_log
             entry["auto_buckets"] = len(built["auto"].bucket_plan())

@@ -31,8 +31,8 @@ def ratio(entry: dict, variant: str, over: str) -> float | None:
     return entry[variant]["median_ms"] / entry[over]["median_ms"]
 
 
-def paired(entry: dict, variant: str) -> str:
-    p = entry.get("paired_vs_torch", {}).get(variant)
+def paired(entry: dict, variant: str, over: str = "torch") -> str:
+    p = entry.get(f"paired_vs_{over}", {}).get(variant)
     return "-" if p is None else f"{p['ratio']:.3f} ({p['ci95'][0]:.3f}-{p['ci95'][1]:.3f})"
 
 
@@ -48,16 +48,15 @@ def rows(data: dict) -> list[dict]:
 
 def markdown(data: dict) -> str:
     head = ("| model (batch) | one flat all-reduce | " + " | ".join(n for _, n in VARIANTS)
-            + " | overlap / barrier | overlap / torch DDP (paired, 95% CI) | sharded / torch DDP"
-            " (paired) | overlap's choice | sharded's choice | max diff to pyreducer |")
+            + " | overlap / barrier (paired, 95% CI) | overlap / torch DDP (paired) | sharded / "
+            "torch DDP (paired) | overlap's choice | sharded's choice | max diff to pyreducer |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows(data):
         e = r["entry"]
         ms = [f"{e[v]['median_ms']:.1f}" if v in e else "-" for v, _ in VARIANTS]
-        over = ratio(e, "overlap", "auto")
         diff = max(r["parity"].values()) if r["parity"] else float("nan")
         lines.append(f"| {r['model']} ({r['batch']}) | {r['comm_ms']:.1f} | " + " | ".join(ms)
-                     + f" | {'-' if over is None else f'{over:.3f}'} | {paired(e, 'overlap')}"
+                     + f" | {paired(e, 'overlap', 'auto')} | {paired(e, 'overlap')}"
                      f" | {paired(e, 'sharded')} | {chosen(e, 'overlap')} | "
                      f"{chosen(e, 'sharded')} | {diff:.1g} |")
     for model, why in data.get("skipped", {}).items():

@@ -27,6 +27,9 @@ forwards while nothing is in flight (the wrapper decides: distributed.py).
 """
 from __future__ import annotations
 
+import collections
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -45,6 +48,9 @@ class PendingBuffer(torch.Tensor):
         if is_metadata(func):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        deferred = _defer(func, args, kwargs)
+        if deferred is not None:
+            return deferred()
         for value in tensors_in(args, kwargs):
             landing = getattr(value, "_pyreducer_landing", None)
             if landing is not None:
@@ -52,6 +58,62 @@ class PendingBuffer(torch.Tensor):
         # Dispatched again, not run: the other arguments' classes act too (a pending
         # parameter's update: F.batch_norm's weight, after its running statistics).
         return func(*args, **kwargs)
+
+
+# Note [BatchNorm's statistics deferred]
+# In training, BatchNorm reads its running statistics only to update them: its output and its
+# gradients come from the batch's own statistics. So on CPU, while the broadcast is on its way,
+# `num_batches_tracked.add_(1)` and a training `F.batch_norm` whose running mean and variance
+# are pending run without them: the add is recorded, and F.batch_norm runs with no running
+# statistics (the same output and gradients, bit for bit: tests/multirank/test_overlap_buffers.py)
+# while the update is recorded. When the broadcast lands (the first read that cannot wait, or
+# the forward's end), rank 0's bytes are copied in and the recorded updates run, in their order,
+# as the same calls on the same inputs: F.batch_norm with the statistics, output discarded.
+# The statistics are then what torch DDP's forward left, bit for bit; a non-source rank pays one
+# more BatchNorm forward per layer (under no_grad) for a forward that does not wait. On CUDA
+# the statistics are not deferred (cuDNN's kernel may take another path without them): the
+# first read waits. A momentum of None reads the counter's value (float()), and waits.
+_BATCH_NORM = torch.nn.functional.batch_norm
+
+
+def _landing(value):
+    return getattr(value, "_pyreducer_landing", None)
+
+
+def _defer(func, args, kwargs):
+    """A callable that runs `func` now with its buffer updates recorded for later (Note
+    [BatchNorm's statistics deferred]), or None where `func` must see rank 0's values."""
+    if func is torch.Tensor.add_ and len(args) == 2 and not kwargs \
+            and isinstance(args[1], (int, float)) and type(args[0]) is PendingBuffer:
+        counter, amount = args
+        _landing(counter).deferred.append(lambda: counter.add_(amount))
+        return lambda: counter
+    if func is not _BATCH_NORM:
+        return None
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum",
+             "eps")
+    bound = dict(zip(names, args)) | kwargs
+    mean, var, x = bound.get("running_mean"), bound.get("running_var"), bound.get("input")
+    if not bound.get("training") or type(mean) is not PendingBuffer or \
+            type(var) is not PendingBuffer or _landing(mean) is not _landing(var) or \
+            type(x) is not torch.Tensor or x.device.type != "cpu" or not x.requires_grad or \
+            not torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+        return None  # (autograd keeps a grad-requiring input as it is, for the backward)
+    momentum, eps = bound.get("momentum", 0.1), bound.get("eps", 1e-5)
+    saved, version = x.detach(), x._version
+
+    def update():
+        if saved._version != version:
+            raise RuntimeError(
+                "pyreducer: the input of a training F.batch_norm was modified in place after "
+                "it ran, before rank 0's buffers arrived; its running statistics were to be "
+                "updated from it then (Note [BatchNorm's statistics deferred]). Modify a copy.")
+        _BATCH_NORM(saved, mean, var, None, None, True, momentum, eps)
+
+    _landing(mean).deferred.append(update)
+    # Dispatched again, without the statistics: a pending weight updates first
+    return lambda: _BATCH_NORM(x, None, None, bound.get("weight"), bound.get("bias"), True,
+                               momentum, eps)
 
 
 def eligible(buffers: list[torch.Tensor], modules) -> bool:
@@ -74,6 +136,10 @@ class BufferBroadcast:
         self._work = None  # the last broadcast's work (the source's, until waited)
         self._flat: torch.Tensor | None = None
         self._buffers: list[torch.Tensor] = []  # pending on this rank (none on the source)
+        self.deferred: list = []  # Note [BatchNorm's statistics deferred]: to run once landed
+        # the last forwards' waits for the broadcast, seconds (the source's too: at the next
+        # launch): what benchmarks/netem_worker.py reports
+        self.waits_s: collections.deque = collections.deque(maxlen=64)
 
     def launch(self, buffers: list[torch.Tensor], src: int) -> None:
         """Starts the broadcast of `buffers` (eligible ones) from `src` (a rank of the group)
@@ -106,7 +172,9 @@ class BufferBroadcast:
             del b._pyreducer_landing
         if work is None:
             return
+        start = time.perf_counter()
         work.wait()
+        self.waits_s.append(time.perf_counter() - start)
         if not buffers:
             return
         offset = 0
@@ -115,3 +183,7 @@ class BufferBroadcast:
                 raw = b.detach().reshape(-1).view(torch.uint8)
                 raw.copy_(flat[offset:offset + raw.numel()])
                 offset += raw.numel()
+        deferred, self.deferred = self.deferred, []
+        with torch.no_grad():
+            for update in deferred:
+                update()

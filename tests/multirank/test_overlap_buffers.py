@@ -77,6 +77,9 @@ def worker(rank, world_size, alias):
 
         hook = module.conv.register_forward_pre_hook(  # (pending, broadcasts so far)
             lambda m, args: seen.append((_pending(module), len(broadcasts))))  # noqa: B023
+        after_bn = []  # pending once the BatchNorm2d ran (training forwards only)
+        bn_hook = module.bn.register_forward_hook(
+            lambda m, args, output: after_bn.append(_pending(module)))  # noqa: B023
         gen = torch.Generator().manual_seed(rank)
         states = []
         dist.broadcast = counting
@@ -106,7 +109,9 @@ def worker(rank, world_size, alias):
         finally:
             dist.broadcast = real
             hook.remove()
+            bn_hook.remove()
         out[name] = dict(seen=seen, broadcasts=broadcasts, after_raise=after_raise,
+                         after_bn=after_bn,
                          evaluated=evaluated,
                          states=states, buffers={k: v.clone() for k, v in module.named_buffers()})
     return out
@@ -148,6 +153,22 @@ def test_buffers_wait_where_read_off_the_source(runs):
         expected = [names if b and rank and not alias else [] for b in _broadcast_at(seen)]
         assert [sorted(p) for p, _ in seen] == expected, (rank, seen)
         assert r["ours"]["after_raise"] == [], r["ours"]["after_raise"]
+
+
+def test_batch_norm_statistics_are_deferred_in_training(runs):
+    """Note [BatchNorm's statistics deferred]: off rank 0 a training BatchNorm2d runs without
+    waiting (its counter's add_ and its statistics' update recorded): every buffer is still
+    pending after it (the BatchNorm1d after it, with momentum=None, reads its counter and
+    waits); the values stay torch DDP's (test_buffers_and_states_are_torch_ddps_bit_for_bit)."""
+    alias, results = runs
+    names = sorted(results[0]["torch"]["buffers"])
+    for rank, r in enumerate(results):
+        # training forwards: the steps but the one after the evaluation forward (no broadcast
+        # there), and the one that raised
+        broadcast = [b for b, training in zip(_broadcast_at(r["ours"]["seen"]),
+                                              [True] * (STEPS - 1) + [False, True, True]) if training]
+        expected = [names if b and rank and not alias else [] for b in broadcast]
+        assert [sorted(p) for p in r["ours"]["after_bn"]] == expected, (rank, r["ours"]["after_bn"])
 
 
 def test_one_collective_per_forward(runs):

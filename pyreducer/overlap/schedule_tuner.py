@@ -46,7 +46,8 @@ from pyreducer.wrapper import timeline as timeline_module
 
 logger = logging.getLogger("pyreducer.overlap")
 
-WARMUP_ITERATIONS = 4  # synced iterations recorded with a plan before its schedule is made
+WARMUP_ITERATIONS = 4  # synced iterations recorded with a plan before its schedule is made (after
+# bucket autotune, which runs under the barrier: Note [Caps tuned for the barrier])
 PROFILE_ITERATIONS = 3  # of which the profile takes the medians
 HELD_ITERATIONS = 5  # then timed with every all-reduce held to the backward's end (_hold); 5,
 # not 3: in run 13 of benchmarks/results/overlap_runoff_20261125.md two of vgg's three held
@@ -74,6 +75,17 @@ MARGIN = 0.02  # an overlapped schedule is kept only if it measured this much fa
 # barrier outright where no overlap beat it by MARGIN, and otherwise pick which overlap runs off.
 # Windows are timed where the steps run (stepclock.py): host time on CPU, CUDA events on the
 # current stream on GPU, where the host runs ahead of the device.
+
+
+# Note [Caps tuned for the barrier]
+# With bucket_cap_mb="auto", bucket autotune decides first, then the schedule. Autotune runs with
+# torch DDP's step barrier in force, as `bucket_cap_mb="auto"` without an overlapped optimizer
+# does, so the barrier the trials measure is the autotuned barrier; the overlapped schedules are
+# planned on those buckets (chunks cut them as they need). Autotune ran under the overlapped
+# step before, where a bucket's all-reduce waits for the next forward whatever its size: on Hugging
+# Face's ResNet-18 it kept torch DDP's 3 buckets where the barrier alone chose 14 (0.5 MB), the
+# trials then kept the barrier on 3 buckets, and the overlap ended 1.05 of the autotuned barrier
+# (benchmarks/results/third_party_20261207.md).
 
 
 def slowest_windows(per_rank: list[list[float]]) -> list[float]:
@@ -162,7 +174,11 @@ class ScheduleTuner(ScheduleRecall):
         """Called at the start of the first synced forward after each synced backward (and of
         the first), before the module runs: on every rank at the same point."""
         params = self.tuning.params
-        if params.world_size < 2 or (self.autotune is not None and not self.autotune.done):
+        if params.world_size < 2:
+            return
+        if self.autotune is not None and not self.autotune.done:
+            if self.set_barrier is not None:  # Note [Caps tuned for the barrier]
+                self.set_barrier(True)
             return
         plan = self.reducer.plan_version()  # a new plan resets the Reducer's launch order
         if self.trial is not None and plan != self.planned_for:  # a new plan: start again

@@ -495,3 +495,39 @@ def schedule_tuner_runoff():
     from pyreducer.overlap import schedule_tuner
 
     return schedule_tuner.RUNOFF_WINDOWS
+
+
+def caps_for_the_barrier_worker(rank, world_size):
+    """bucket_cap_mb="auto" under an overlapped optimizer: per synced backward, whether bucket
+    autotune had decided and how many reductions the backward left in flight."""
+    from pyreducer import DistributedDataParallel
+    from pyreducer.testing import steady_link
+    from pyreducer.tuning import AutotuneConfig
+
+    steady_link.install()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_model(), bucket_cap_mb=AutotuneConfig(
+        warmup_iterations=2, measure_iterations=2, probe_every=1))
+    opt = model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    gen = torch.Generator().manual_seed(rank)
+    seen = []
+    for _ in range(40):
+        loss = model(torch.randn(8, WIDTH, generator=gen)).pow(2).mean()
+        decided = model._autotune.done  # (it decides at the start of a forward)
+        loss.backward()
+        seen.append((decided, len(model.reducer.pending_buckets())))
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    return seen
+
+
+def test_bucket_autotune_measures_the_barrier(ranks_once):
+    """Note [Caps tuned for the barrier] (schedule_tuner.py): while bucket autotune decides,
+    every backward completes its reductions (torch DDP's step, as bucket_cap_mb="auto" alone
+    runs); once it has, the schedule's profile runs overlapped iterations."""
+    for rank, seen in enumerate(ranks_once(caps_for_the_barrier_worker, 2, ())):
+        tuning = [in_flight for decided, in_flight in seen[1:] if not decided]
+        after = [in_flight for decided, in_flight in seen if decided]
+        assert len(tuning) >= 4 and not any(tuning), f"rank {rank}: {seen}"
+        assert after and any(after), (rank, seen)

@@ -14,7 +14,9 @@ after a check that the communicating ones end with the same parameters. Variants
              --hold-back K the first layers' K buckets first); time it with --loop-steps N
   overlap    pyreducer with its own schedule: autotuned caps, then the overlapped optimizer's
              planned and measured schedule (70 warm-up steps)
-  sharded    the same with the optimizer's state and update sharded (overlap_optimizer(shard=True))
+  sharded    the overlapped optimizer with the optimizer's state and update sharded
+             (overlap_optimizer(shard=True)), its own schedule, on 4 MB buckets (autotune refuses
+             shard=True: each new plan would move the state between ranks)
 With --loop-steps N every variant is timed in blocks of N steps with no barrier inside (the
 per-step barrier would wait behind the overlapped variant's in-flight buckets and erase the
 overlap being measured); blocks alternate like steps.
@@ -68,8 +70,7 @@ def run_one(model, link, nproc, variants, caps, args) -> dict:
             argv += ["--interleave"]
         if args.compile:
             argv += ["--compile", args.compile]
-        if args.buffers_at_start:
-            argv += ["--buffers-at-start"]
+        argv += ["--buffers", args.buffers]
         if args.loop_steps:
             argv += ["--loop-steps", str(args.loop_steps), "--hold-back", str(args.hold_back),
                      "--schedule", args.schedule]
@@ -141,11 +142,12 @@ def table(result) -> str:
                          f"{[g['pieces'] for g in graphs]} piece(s) at its buckets")
         for variant in ("overlapped", "overlap", "sharded"):
             lines += schedule_lines(variant, entry)
-            waits = entry.get(f"{variant}_buffer_wait_ms")
-            if waits:
-                lines.append(f"    {variant}: the buffers' broadcast waited "
-                             + ", ".join(f"{w:.1f}" for w in waits)
-                             + " ms a forward (median; per rank, the source at its next launch)")
+            start, later = (entry.get(f"{variant}_buffer_{k}_ms") for k in ("start", "wait"))
+            if start or later:
+                lines.append(f"    {variant}: the buffers' broadcast, median ms a forward per "
+                             f"rank: at the forward's start "
+                             + ", ".join(f"{w:.1f}" for w in start or []) + "; later "
+                             + ", ".join(f"{w:.1f}" for w in later or []))
         if "backward_under_comm_ms" in entry:
             lines.append(f"    backward while a flat all-reduce runs: "
                          f"{entry['backward_under_comm_ms']:.1f} ms; bound with it: "
@@ -249,7 +251,7 @@ def environment(args):
                 threads_per_rank=1, date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 steps=args.steps, rounds=args.rounds, warmup=args.warmup,
                 interleave=args.interleave, loop_steps=args.loop_steps,
-                buffers_at_start=args.buffers_at_start,
+                buffers=args.buffers,
                 hold_back=args.hold_back, schedule=args.schedule)
 
 
@@ -284,9 +286,10 @@ def main(argv=None):
                              "then wrap), e.g. inductor")
     parser.add_argument("--gantt", metavar="PNG",
                         help="Gantt of pyreducer's last recorded iteration (rank 0), per run")
-    parser.add_argument("--buffers-at-start", action="store_true",
+    parser.add_argument("--buffers", choices=("start", "read", "deferred"), default="deferred",
                         help="an A/B switch: overlapped variants wait for the buffers' broadcast "
-                             "at the forward's start (Note [Buffers awaited where read] off)")
+                             "at the forward's start, where first read, or also defer "
+                             "BatchNorm's statistics (pyreducer's behaviour, the default)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json")
     parser.add_argument("--plot", help="PNG of step time vs bucket cap (sweeps)")

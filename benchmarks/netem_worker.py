@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from pyreducer import DistributedDataParallel  # noqa: E402
+from pyreducer.wrapper import pending_buffers  # noqa: E402
 
 from pyreducer.testing import models  # noqa: E402
 from pyreducer.tools.compare import paired_ratio, summarize  # noqa: E402
@@ -37,7 +38,8 @@ OVERLAP_WARMUP = 84  # the overlapped optimizer plans after ~12 steps (6 of them
 # 2 x 3 x 5 steps; then more steps, if its tuner has not decided yet (settle_schedule)
 SETTLE_MAX = 100  # at most this many more
 COMPILE = None  # --compile: torch.compile's backend for every variant's module (set in main)
-BUFFERS_AT_START = False  # --buffers-at-start (set in main)
+BUFFERS = "deferred"  # --buffers (set in main)
+SHARDED_CAP_MB = 4  # the sharded variant's caps (as in benchmarks/results/sharded_*.md)
 
 
 class Plain:
@@ -78,8 +80,9 @@ def build(variant, base, cap):
     if variant == "torch":
         from torch.nn.parallel import DistributedDataParallel as TorchDDP
         return TorchDDP(module, bucket_cap_mb=cap)
-    if variant in ("auto", "overlap", "sharded"):  # overlap, sharded: autotuned caps, then a
-        # planned schedule
+    if variant == "sharded":  # (autotune refuses shard=True: each plan would move the state)
+        return DistributedDataParallel(module, bucket_cap_mb=SHARDED_CAP_MB)
+    if variant in ("auto", "overlap"):  # overlap: autotuned caps, then a planned schedule
         return DistributedDataParallel(module, bucket_cap_mb="auto")
     return DistributedDataParallel(module, bucket_cap_mb=cap)  # pyreducer, overlapped
 
@@ -96,8 +99,17 @@ def optimizer(variant, model, hold_back=0, schedule="auto"):
     else:
         opt = model.overlap_optimizer(opt, hold_back=hold_back,
                                       schedule="fifo" if hold_back else schedule)
-    if BUFFERS_AT_START:  # the A/B switch: Note [Buffers awaited where read] off
+    if BUFFERS == "start":  # the A/B switches: Note [Buffers awaited where read] off ...
         model._buffer_broadcast = None
+    pending_buffers.DEFER_BATCH_NORM = BUFFERS == "deferred"  # ... or its BatchNorm part
+    timed = model._sync_buffers
+
+    def sync_buffers():  # the forward's wait at its start (a launch only, where awaited later)
+        start = time.perf_counter()
+        timed()
+        model.buffer_sync_s.append(time.perf_counter() - start)
+
+    model.buffer_sync_s, model._sync_buffers = [], sync_buffers
     return opt
 
 
@@ -163,16 +175,22 @@ def parity(spec, base, variants, cap, batch_size, hold_back, schedule, steps=3):
             for v, ps in finals.items()}  # (zip: a Plain variant's parameters alone)
 
 
-def buffer_waits_ms(model) -> list[float] | None:
-    """Per rank, the median wait for the buffers' broadcast over the last forwards (where the
-    first buffer was read; Note [Buffers awaited where read]), or None where not awaited there."""
+def buffer_waits_ms(model) -> tuple[list | None, list | None]:
+    """Per rank, the median waits for the buffers' broadcast over the last forwards: at the
+    forward's start ("start": the whole broadcast, or its launch where awaited later), and where
+    awaited later ("later": the first read, or the forward's end; Note [Buffers awaited where
+    read]); (None, None) without buffers."""
     landing = getattr(model, "_buffer_broadcast", None)
-    local = torch.tensor([statistics.median(landing.waits_s) * 1e3 if landing and landing.waits_s
-                          else float("nan")], dtype=torch.float64)
+    started = getattr(model, "buffer_sync_s", [])[-64:]
+    nan = float("nan")
+    local = torch.tensor([statistics.median(started) * 1e3 if started else nan,
+                          statistics.median(landing.waits_s) * 1e3 if landing and landing.waits_s
+                          else nan], dtype=torch.float64)
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    values = [float(g) for g in gathered]
-    return None if all(v != v for v in values) else values
+    if all(v != v for g in gathered for v in g.tolist()):
+        return None, None
+    return [g.tolist()[0] for g in gathered], [g.tolist()[1] for g in gathered]
 
 
 def comm_only_ms(base, reps=5) -> float:
@@ -254,13 +272,14 @@ def main():
                              "auto, fifo, or a chunk size in MB")
     parser.add_argument("--compile", default=None, metavar="BACKEND",
                         help="torch.compile every variant's module with this backend")
-    parser.add_argument("--buffers-at-start", action="store_true",
+    parser.add_argument("--buffers", choices=("start", "read", "deferred"), default="deferred",
                         help="overlapped variants wait for the buffers' broadcast at the "
-                             "forward's start, as before Note [Buffers awaited where read]")
+                             "forward's start, where first read (Note [Buffers awaited where "
+                             "read]), or also defer BatchNorm's statistics (the default)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    global BUFFERS_AT_START
-    BUFFERS_AT_START = args.buffers_at_start
+    global BUFFERS
+    BUFFERS = args.buffers
     if args.compile:
         global COMPILE
         import torch._dynamo as dynamo  # (binds no local `torch`)
@@ -304,7 +323,7 @@ def main():
         for v in variants:
             warmup = {"auto": AUTO_WARMUP, "overlapped": max(args.warmup, OVERLAP_WARMUP),
                       "overlap": AUTO_WARMUP + OVERLAP_WARMUP,
-                      "sharded": AUTO_WARMUP + OVERLAP_WARMUP}
+                      "sharded": OVERLAP_WARMUP}
             for _ in range(warmup.get(v, args.warmup)):
                 step(built[v], spec, opts[v], spec.batch(gens[v], batch_size))
             extra = settle_schedule(v, built[v], spec, opts[v],
@@ -381,7 +400,8 @@ def main():
                 entry[f"{v}_buckets"] = len(built[v].bucket_plan())
                 entry[f"{v}_schedule"] = opts[v].schedule_log  # what was planned
                 entry[f"{v}_timeline"] = built[v].timeline(4)  # rank 0's
-                entry[f"{v}_buffer_wait_ms"] = buffer_waits_ms(built[v])
+                entry[f"{v}_buffer_start_ms"], entry[f"{v}_buffer_wait_ms"] = \
+                    buffer_waits_ms(built[v])
         if "auto" in built:
             entry["auto_log"] = built["auto"].autotune_log
             entry["auto_buckets"] = len(built["auto"].bucket_plan())

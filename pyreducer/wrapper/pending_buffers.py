@@ -74,6 +74,7 @@ class PendingBuffer(torch.Tensor):
 # the statistics are not deferred (cuDNN's kernel may take another path without them): the
 # first read waits. A momentum of None reads the counter's value (float()), and waits.
 _BATCH_NORM = torch.nn.functional.batch_norm
+DEFER_BATCH_NORM = True  # False: the first read waits (benchmarks/bench.py --buffers read)
 
 
 def _landing(value):
@@ -83,6 +84,8 @@ def _landing(value):
 def _defer(func, args, kwargs):
     """A callable that runs `func` now with its buffer updates recorded for later (Note
     [BatchNorm's statistics deferred]), or None where `func` must see rank 0's values."""
+    if not DEFER_BATCH_NORM:
+        return None
     if func is torch.Tensor.add_ and len(args) == 2 and not kwargs \
             and isinstance(args[1], (int, float)) and type(args[0]) is PendingBuffer:
         counter, amount = args

@@ -177,7 +177,9 @@ def sync_buffers(params, src: int, group=None) -> None:
 # test_overlap.py: the buffers bit for bit against torch DDP's on the cnn cases). On NCCL the
 # two communicators' kernels then run at once; every rank issues them in the same order. A
 # wrapper over a subgroup keeps its own group, with a warning: a second one would have to be
-# made by every rank of the default group.
+# made by every rank of the default group. On the second group the broadcast is then awaited
+# where the forward first reads a buffer, not at its start (Note [Buffers awaited where read]
+# in pending_buffers.py).
 
 _side: tuple | None = None  # (the default group, its side group), per process
 

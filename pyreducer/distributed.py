@@ -382,7 +382,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._buffer_broadcast.complete()  # (a forward that never reached its end)
             if not self._compiled.active() and pending_buffers.eligible(
                     self._params.buffers(), list(self.module.modules())):
-                self._buffer_broadcast.launch(self._params.buffers(), src)
+                self._buffer_broadcast.launch(self._params.buffers(), src,
+                                              defer=bool(self.reducer.pending_buckets()))
                 return
         sync.sync_buffers(self._params, src, group=self._buffer_group)
 

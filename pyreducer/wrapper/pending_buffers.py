@@ -70,7 +70,10 @@ class PendingBuffer(torch.Tensor):
 # the forward's end), rank 0's bytes are copied in and the recorded updates run, in their order,
 # as the same calls on the same inputs: F.batch_norm with the statistics, output discarded.
 # The statistics are then what torch DDP's forward left, bit for bit; a non-source rank pays one
-# more BatchNorm forward per layer (under no_grad) for a forward that does not wait. On CUDA
+# more BatchNorm forward per layer (under no_grad) for a forward that does not wait, so this is
+# done only while reductions are in flight (the overlapped step: under the barrier the link is
+# idle at the forward's start, the broadcast quick, and the replays would cost 22 ms (3% of
+# Hugging Face's ResNet-18's compute at batch 16, one thread) for nothing). On CUDA
 # the statistics are not deferred (cuDNN's kernel may take another path without them): the
 # first read waits. A momentum of None reads the counter's value (float()), and waits.
 _BATCH_NORM = torch.nn.functional.batch_norm
@@ -87,7 +90,8 @@ def _defer(func, args, kwargs):
     if not DEFER_BATCH_NORM:
         return None
     if func is torch.Tensor.add_ and len(args) == 2 and not kwargs \
-            and isinstance(args[1], (int, float)) and type(args[0]) is PendingBuffer:
+            and isinstance(args[1], (int, float)) and type(args[0]) is PendingBuffer \
+            and _landing(args[0]).defer:
         counter, amount = args
         _landing(counter).deferred.append(lambda: counter.add_(amount))
         return lambda: counter
@@ -99,6 +103,7 @@ def _defer(func, args, kwargs):
     mean, var, x = bound.get("running_mean"), bound.get("running_var"), bound.get("input")
     if not bound.get("training") or type(mean) is not PendingBuffer or \
             type(var) is not PendingBuffer or _landing(mean) is not _landing(var) or \
+            not _landing(mean).defer or \
             type(x) is not torch.Tensor or x.device.type != "cpu" or not x.requires_grad or \
             not torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
         return None  # (autograd keeps a grad-requiring input as it is, for the backward)
@@ -140,14 +145,18 @@ class BufferBroadcast:
         self._flat: torch.Tensor | None = None
         self._buffers: list[torch.Tensor] = []  # pending on this rank (none on the source)
         self.deferred: list = []  # Note [BatchNorm's statistics deferred]: to run once landed
+        self.defer = False  # whether this forward defers them (reductions in flight)
         # the last forwards' waits for the broadcast, seconds (the source's too: at the next
         # launch): what benchmarks/netem_worker.py reports
         self.waits_s: collections.deque = collections.deque(maxlen=64)
 
-    def launch(self, buffers: list[torch.Tensor], src: int) -> None:
+    def launch(self, buffers: list[torch.Tensor], src: int, defer: bool) -> None:
         """Starts the broadcast of `buffers` (eligible ones) from `src` (a rank of the group)
-        and, off the source, makes them pending. The previous broadcast is completed first."""
+        and, off the source, makes them pending; `defer`: BatchNorm's statistics may be
+        deferred (reductions are in flight beside the broadcast). The previous broadcast is
+        completed first."""
         self.complete()
+        self.defer = defer
         global_src = dist.get_global_rank(self.group, src)
         with torch.no_grad():
             flat = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in buffers])

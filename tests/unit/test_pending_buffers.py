@@ -24,7 +24,7 @@ def _pending(module: nn.Module, source: nn.Module) -> BufferBroadcast:
     buffers = list(module.buffers())
     landing._flat = torch.cat([b.detach().reshape(-1).view(torch.uint8)
                                for b in source.buffers()])
-    landing._work, landing._buffers = _Landed(), buffers
+    landing._work, landing._buffers, landing.defer = _Landed(), buffers, True
     for b in buffers:
         b._pyreducer_landing = landing
         b.__class__ = PendingBuffer

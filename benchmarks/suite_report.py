@@ -22,6 +22,8 @@ VARIANTS = (("torch", "torch DDP"), ("auto", "barrier (autotuned)"),
 
 def chosen(entry: dict, variant: str) -> str:
     event = last_event(entry, variant, "chosen")
+    if event is None and variant == "sharded" and variant in entry:
+        return "whole buckets, torch DDP's order (fixed)"  # shard=True: schedule="fifo" only
     return event["describe"] if event else "-"
 
 

@@ -78,14 +78,10 @@ MARGIN = 0.02  # an overlapped schedule is kept only if it measured this much fa
 
 
 # Note [Caps tuned for the barrier]
-# With bucket_cap_mb="auto", bucket autotune decides first, then the schedule. Autotune runs with
-# torch DDP's step barrier in force, as `bucket_cap_mb="auto"` without an overlapped optimizer
-# does, so the barrier the trials measure is the autotuned barrier; the overlapped schedules are
-# planned on those buckets (chunks cut them as they need). Autotune ran under the overlapped
-# step before, where a bucket's all-reduce waits for the next forward whatever its size: on Hugging
-# Face's ResNet-18 it kept torch DDP's 3 buckets where the barrier alone chose 14 (0.5 MB), the
-# trials then kept the barrier on 3 buckets, and the overlap ended 1.05 of the autotuned barrier
-# (benchmarks/results/third_party_20261207.md).
+# Bucket autotune decides first, under torch DDP's step barrier (as bucket_cap_mb="auto" alone),
+# so the barrier the trials measure is the autotuned one; the schedules are planned on its
+# buckets. Under the overlapped step it kept torch DDP's 3 buckets on Hugging Face's ResNet-18
+# where the barrier alone chose 14 (benchmarks/results/third_party_20261207.md).
 
 
 def slowest_windows(per_rank: list[list[float]]) -> list[float]:

@@ -375,14 +375,15 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _sync_buffers(self) -> None:
         # Under join(), rank 0 may have joined with stale buffers: the largest training rank
         # is the source instead (joined ranks shadow this in ReducerJoinHook.main_hook).
-        if not self._params.buffers():
+        buffers = self._params.buffers()
+        if not buffers:
             return
         src = find_common_rank(self._params, True) if self._join_config.enable else 0
         if self._buffer_broadcast is not None:
             self._buffer_broadcast.complete()  # (a forward that never reached its end)
             if not self._compiled.active() and pending_buffers.eligible(
-                    self._params.buffers(), list(self.module.modules())):
-                self._buffer_broadcast.launch(self._params.buffers(), src,
+                    buffers, list(self.module.modules())):
+                self._buffer_broadcast.launch(buffers, src,
                                               defer=bool(self.reducer.pending_buckets()))
                 return
         sync.sync_buffers(self._params, src, group=self._buffer_group)

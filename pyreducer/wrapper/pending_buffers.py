@@ -5,9 +5,9 @@ Note [Buffers awaited where read]
 torch DDP broadcasts rank 0's buffers at the start of every forward and waits for it there. With
 an overlapped optimizer the broadcast goes beside the reductions still in flight (Note [Buffers
 beside deferred reductions], sync.py), but it still crosses the link they fill: on 2 emulated
-hosts at 1 Gbit/s it waited tens of milliseconds each forward, with the model's first layer
-waiting behind it (Hugging Face's ResNet-18: the overlap lost about 90 ms a step to it and was
-1.11 of the barrier; benchmarks/results/third_party_20261207.md). Here:
+hosts at 1 Gbit/s, Hugging Face's ResNet-18 with the overlap in force, the forward waited 48 ms
+for it on rank 0 and 12 ms on rank 1, its first layer behind it
+(benchmarks/results/third_party_20261207.md). Here:
   - the buffers go as one collective: their bytes packed into one flat uint8 tensor (torch DDP,
     and sync.broadcast_coalesced, send one per dtype: BatchNorm's float statistics and its
     int64 counters make two), asynchronously;
@@ -22,8 +22,8 @@ The values, their source and the collectives' order on the group are torch DDP's
 holds rank 0's bytes before anything reads it. The version counters are kept, as in
 sync.sync_buffers. What a torch function cannot see falls back to the wait at the forward's start:
 buffers that are not plain contiguous tensors on one device, a module attribute holding a view
-of a buffer (bypass.aliased), a compiled module (dynamo would trace the class), and the first
-forwards while nothing is in flight (the wrapper decides: distributed.py).
+of a buffer (bypass.aliased), and a compiled module (dynamo would trace the class); the wrapper
+decides at each forward (distributed.py).
 """
 from __future__ import annotations
 
@@ -40,8 +40,6 @@ from pyreducer.overlap.pending import is_metadata, tensors_in
 class PendingBuffer(torch.Tensor):
     """The class a buffer wears while rank 0's bytes are on their way to it."""
 
-    _pyreducer_pending_buffer = True
-
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -52,7 +50,7 @@ class PendingBuffer(torch.Tensor):
         if deferred is not None:
             return deferred()
         for value in tensors_in(args, kwargs):
-            landing = getattr(value, "_pyreducer_landing", None)
+            landing = _landing(value)
             if landing is not None:
                 landing.complete()  # every buffer of it wears torch.Tensor again
         # Dispatched again, not run: the other arguments' classes act too (a pending

@@ -207,9 +207,15 @@ def _supervise(procs, lives, attempts, start, fail, deadline, workdir, events) -
         time.sleep(0.05)
 
 
-def _tail(workdir, replica, attempt, chars=1500) -> str:
+def _tail(workdir, replica, attempt, chars=1500, steps=6) -> str:
+    """A life's last output, then the last `steps` lines of its replica's step log."""
     path = Path(workdir) / f"replica{replica}.life{attempt}.err"
-    return path.read_text()[-chars:] if path.exists() else "(no output)"
+    out = path.read_text()[-chars:] if path.exists() else "(no output)"
+    log = Path(workdir) / f"replica{replica}.jsonl"
+    lines = log.read_text().splitlines()[-steps:] if log.exists() else []
+    keys = ("attempt", "step", "quorum", "participants", "participating", "committed")
+    logged = [{k: e.get(k) for k in keys} for e in map(json.loads, lines)]
+    return f"{out} (step log, last {len(logged)}: {logged})"
 
 
 def replay(log: list[dict], steps: int | None = None) -> dict:

@@ -21,8 +21,8 @@ heartbeating, until `count` replicas have reached the loop, so that a job starts
 them in its first quorum rather than healing the late ones in), "plan" ("torchft": pyreducer's
 wrapper gets torchft's own DDP's buckets, torchft_plan), "await_rejoin" (seconds: after a step
 that was not committed, and in a restarted life, a replica sleeps that long after each step,
-and trains past `steps` if need be, until a committed step has had every replica in it: the
-restarted replica rejoins the survivor, whatever its restart takes, instead of training alone
+and trains past `steps` if need be, until a committed step has had every replica in it, as
+every replica logged it (_all_back): the restarted replica rejoins the survivor, whatever its restart takes, instead of training alone
 after the survivor is done), "accumulate" (micro-batches a step, all but the last under
 no_sync()), "edges" (pyreducer's wrapper: before the first quorum and after the last
 should_commit(), a forward with grad on, then its backward; what each did goes into the output's
@@ -109,13 +109,15 @@ def train_step(manager, ddp, optimizer, replica: int, model: str, accumulate: in
     # after the quorum: a healing replica's step is its peers' (its batch was not used)
     step, participants = manager.current_step(), manager.num_participants()
     participating = manager.is_participating()
+    quorum = manager._quorum_id  # (torchft 0.2 has no public accessor) which attempt at `step`
     committed = manager.should_commit()
     commit_end = time.time()
     if committed:
         optimizer.step()
-    return dict(step=step, participants=participants, participating=participating,
-                committed=committed, loss=loss.item(), start=started, forward_end=forward_end,
-                backward_end=backward_end, commit_end=commit_end, end=time.time())
+    return dict(step=step, quorum=quorum, participants=participants,
+                participating=participating, committed=committed, loss=loss.item(),
+                start=started, forward_end=forward_end, backward_end=backward_end,
+                commit_end=commit_end, end=time.time())
 
 
 def _manager(config: dict, pg, holder: dict):
@@ -238,13 +240,55 @@ def _train(config: dict, manager, ddp, optimizer, failing: bool) -> None:
         log.write(json.dumps(dict(replica=replica, attempt=attempt, **entry)) + "\n")
         log.flush()
         if config.get("await_rejoin") and not failing:
-            everyone = entry["committed"] and entry["participating"] and \
-                entry["participants"] == config["replicas"]
-            awaiting = (awaiting or not entry["committed"]) and not everyone
+            awaiting = (awaiting or not entry["committed"]) and not _all_back(config, entry)
             if awaiting:  # trains on slowly, and past `steps` if need be, until all are back
                 time.sleep(config["await_rejoin"])
         if config.get("pace_s"):
             time.sleep(config["pace_s"])
+
+
+def _full(entry: dict, replicas: int) -> bool:
+    return entry["committed"] and entry["participating"] and entry["participants"] == replicas
+
+
+def _all_back(config: dict, entry: dict, timeout_s: float = 30.0) -> bool:
+    """await_rejoin's end, agreed by every replica: this step was committed by all replicas, each
+    participating, as each of them logged it. One replica's own view is not enough: should_commit
+    is each replica group's own, so one replica can commit a step that another does not; the
+    first would then stop awaiting and finish, the second await forever, alone. So each replica
+    reads the others' logs for the same attempt (quorum id, step, and how many attempts this
+    quorum made at that step), waiting for them up to `timeout_s` (a replica that died never
+    logs it: not all back). Each replica decides from the same entries, so all decide alike."""
+    replicas = config["replicas"]
+    if not _full(entry, replicas):
+        return False
+    logs = os.path.dirname(config["log"])
+    key = (entry["quorum"], entry["step"])
+    ordinal = sum(1 for e in _entries(config["log"]) if (e.get("quorum"), e["step"]) == key)
+    deadline = time.monotonic() + timeout_s
+    for peer in range(replicas):
+        if peer == config["replica"]:
+            continue
+        path = os.path.join(logs, f"replica{peer}.jsonl")
+        while True:
+            same = [e for e in _entries(path) if (e.get("quorum"), e["step"]) == key]
+            if len(same) >= ordinal:
+                if not _full(same[ordinal - 1], replicas):
+                    return False
+                break
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+    return True
+
+
+def _entries(path: str) -> list[dict]:
+    """A step log's whole lines (a line being written is left out)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")
+    return [json.loads(line) for line in lines[:-1] if line]
 
 
 if __name__ == "__main__":

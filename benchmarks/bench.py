@@ -71,6 +71,8 @@ def run_one(model, link, nproc, variants, caps, args) -> dict:
         if args.compile:
             argv += ["--compile", args.compile]
         argv += ["--buffers", args.buffers]
+        if args.caps_once:  # a fresh cache, this run's: its first autotuned variant decides
+            argv += ["--tuning-cache", os.path.join(tmp, "tuning.json")]
         if args.loop_steps:
             argv += ["--loop-steps", str(args.loop_steps), "--hold-back", str(args.hold_back),
                      "--schedule", args.schedule]
@@ -290,6 +292,11 @@ def main(argv=None):
                         help="an A/B switch: overlapped variants wait for the buffers' broadcast "
                              "at the forward's start, where first read, or also defer "
                              "BatchNorm's statistics (pyreducer's behaviour, the default)")
+    parser.add_argument("--caps-once", action="store_true",
+                        help="the autotuned variants share one tuning cache, fresh for the run: "
+                             "auto's caps are recalled by overlap (and confirmed in one window), "
+                             "so overlap / auto compares schedules on the same buckets, not two "
+                             "draws of the caps' trial noise (default: each tunes afresh)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json")
     parser.add_argument("--plot", help="PNG of step time vs bucket cap (sweeps)")

@@ -276,8 +276,13 @@ def main():
                         help="overlapped variants wait for the buffers' broadcast at the "
                              "forward's start, where first read (Note [Buffers awaited where "
                              "read]), or also defer BatchNorm's statistics (the default)")
+    parser.add_argument("--tuning-cache", metavar="PATH",
+                        help="a tuning cache for this run's variants to share (bench.py "
+                             "--caps-once); default: off, every variant tunes afresh")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.tuning_cache:  # (read where the autotuners consult it, after construction)
+        os.environ["PYREDUCER_TUNING_CACHE"] = args.tuning_cache
     global BUFFERS
     BUFFERS = args.buffers
     if args.compile:
@@ -402,9 +407,10 @@ def main():
                 entry[f"{v}_timeline"] = built[v].timeline(4)  # rank 0's
                 entry[f"{v}_buffer_start_ms"], entry[f"{v}_buffer_wait_ms"] = \
                     buffer_waits_ms(built[v])
-        if "auto" in built:
-            entry["auto_log"] = built["auto"].autotune_log
-            entry["auto_buckets"] = len(built["auto"].bucket_plan())
+        for v in ("auto", "overlap"):
+            if v in built:
+                entry[f"{v}_log"] = built[v].autotune_log
+                entry[f"{v}_buckets"] = len(built[v].bucket_plan())
         results["default" if cap is None else f"{cap:g}"] = entry
     if rank == 0:
         with open(args.out, "w") as f:

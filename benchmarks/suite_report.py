@@ -27,6 +27,17 @@ def chosen(entry: dict, variant: str) -> str:
     return event["describe"] if event else "-"
 
 
+def caps(entry: dict, variant: str) -> str:
+    """What the variant's bucket autotune chose: "cap 1 MB, 11 buckets", or "recalled" (the
+    run's shared tuning cache: bench.py --caps-once) with the buckets."""
+    events = [e for e in entry.get(f"{variant}_log", []) if e.get("event") == "chosen"]
+    if not events:
+        return "-"
+    last = events[-1]
+    plan = "recalled (the barrier's)" if last.get("plan") == "remembered" else last.get("plan")
+    return f"{plan}, {last.get('buckets')} buckets"
+
+
 def ratio(entry: dict, variant: str, over: str) -> float | None:
     if variant not in entry or over not in entry:
         return None
@@ -51,7 +62,8 @@ def rows(data: dict) -> list[dict]:
 def markdown(data: dict) -> str:
     head = ("| model (batch) | one flat all-reduce | " + " | ".join(n for _, n in VARIANTS)
             + " | overlap / barrier (paired, 95% CI) | overlap / torch DDP (paired) | sharded / "
-            "torch DDP (paired) | overlap's choice | sharded's choice | max diff to pyreducer |")
+            "torch DDP (paired) | barrier's caps | overlap's caps | overlap's choice | "
+            "sharded's choice | max diff to pyreducer |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows(data):
         e = r["entry"]
@@ -59,7 +71,8 @@ def markdown(data: dict) -> str:
         diff = max(r["parity"].values()) if r["parity"] else float("nan")
         lines.append(f"| {r['model']} ({r['batch']}) | {r['comm_ms']:.1f} | " + " | ".join(ms)
                      + f" | {paired(e, 'overlap', 'auto')} | {paired(e, 'overlap')}"
-                     f" | {paired(e, 'sharded')} | {chosen(e, 'overlap')} | "
+                     f" | {paired(e, 'sharded')} | {caps(e, 'auto')} | {caps(e, 'overlap')}"
+                     f" | {chosen(e, 'overlap')} | "
                      f"{chosen(e, 'sharded')} | {diff:.1g} |")
     for model, why in data.get("skipped", {}).items():
         lines.append(f"\nNot run: {why}")

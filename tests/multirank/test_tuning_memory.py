@@ -73,6 +73,10 @@ def memory_worker(rank, world_size, cache_path, overlap):
     torch.manual_seed(0)
     out["other"] = _run(other.build(), other, rank, config, overlap)
     out["off"] = _run(base, spec, rank, AutotuneConfig(cache=False), overlap)
+    if overlap:  # a plain bucket_cap_mb="auto" run first: its buckets are the overlap's barrier
+        shared = AutotuneConfig(cache=cache_path + ".plain")
+        out["plain"] = _run(base, spec, rank, shared, overlap=False)
+        out["overlap_after_plain"] = _run(base, spec, rank, shared, overlap=True)
     return out
 
 
@@ -109,6 +113,20 @@ def test_second_run_starts_from_the_first_runs_decisions(runs):
         if overlap:  # (bucket autotune's search of this small model may be as short)
             assert second["decided_at"] <= first["decided_at"] - 30, (first["decided_at"],
                                                                       second["decided_at"])
+
+
+def test_the_overlapped_optimizer_recalls_a_plain_runs_buckets(runs):
+    """Note [Caps tuned for the barrier]: both autotunes answer the same question (the caps
+    under the barrier), so they share one cache entry; the overlap's schedule is then planned,
+    and its barrier measured, on the buckets the plain run chose."""
+    results, overlap = runs
+    assert overlap
+    for r in results:
+        plain, after = r["plain"], r["overlap_after_plain"]
+        assert "recalled" not in _events(plain["log"]) and plain["schedule_log"] == []
+        assert _events(after["log"])[-2:] == ["recalled", "chosen"], after["log"]
+        assert after["plan"] == plain["plan"]
+        assert "measured" in _events(after["schedule_log"])  # its own schedule search
 
 
 def test_recalled_decisions_keep_the_results(runs):

@@ -1,8 +1,9 @@
 """What the overlapped optimizer costs where its tuner keeps torch DDP's step barrier: pyreducer
 with the plain optimizer against the same model, buckets and data with `overlap_optimizer`
 held at the barrier (its hooks on every module stay installed), on 2 local Gloo ranks
-(loopback: compute-bound, so any per-forward cost shows), after which both must hold the same
-parameters. Blocks of steps alternate, the order
+(loopback: compute-bound, so any per-forward cost shows), after which all must hold the same
+parameters; a third variant waits for the buffers' broadcast at the forward's start instead of
+where a buffer is read. Blocks of steps alternate, the order
 reversed every round; the ratio is the median of the paired blocks' ratios (rank 0's clock).
 
     python benchmarks/bench_barrier_cost.py [--model hf_bert] [--steps 6] [--rounds 8] [--json F]
@@ -22,7 +23,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-CAP_MB = 2.0  # both variants: fixed caps, so that only the optimizer differs
+CAP_MB = 2.0  # every variant: fixed caps, so that only the optimizer differs
+VARIANTS = ("plain", "overlapped_at_barrier", "overlapped_sync_buffers")
 
 
 def _worker(rank: int, args, port: int, out: str) -> None:
@@ -35,15 +37,17 @@ def _worker(rank: int, args, port: int, out: str) -> None:
     spec = models.spec(args.model)
     batch = args.batch or models.BENCH_BATCH.get(args.model, 8)
     built = {}
-    for name in ("plain", "overlapped_at_barrier"):
+    for name in VARIANTS:
         torch.manual_seed(0)
         model = DistributedDataParallel(spec.build(), bucket_cap_mb=CAP_MB)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        if name == "overlapped_at_barrier":
+        if name != "plain":
             opt = model.overlap_optimizer(opt, schedule="fifo")
             opt._set_barrier(True)  # what the schedule tuner does when it keeps the barrier
+            if name == "overlapped_sync_buffers":  # the buffers' broadcast waited at the start
+                model._buffer_broadcast = None     # (on the side group), not where read
         built[name] = (model, opt)
-    # the same batches for both, so that they must end with the same parameters (checked)
+    # the same batches for every variant, so that they must end with the same parameters (checked)
     gens = {name: torch.Generator().manual_seed(rank) for name in built}
 
     def block(name: str, steps: int) -> float:
@@ -63,15 +67,16 @@ def _worker(rank: int, args, port: int, out: str) -> None:
     for r in range(args.rounds):
         for name in (list(built) if r % 2 == 0 else list(built)[::-1]):
             times[name].append(block(name, args.steps))
-    same = all(torch.equal(a, b) for a, b in zip(built["plain"][0].parameters(),
-                                                  built["overlapped_at_barrier"][0].parameters()))
+    same = all(torch.equal(a, b) for name in VARIANTS[1:]
+               for a, b in zip(built["plain"][0].parameters(), built[name][0].parameters()))
     if rank == 0:
-        pairs = [b / a for a, b in zip(times["plain"], times["overlapped_at_barrier"])]
+        pairs = {name: [b / a for a, b in zip(times["plain"], times[name])]
+                 for name in VARIANTS[1:]}
         with open(out, "w") as f:
             json.dump(dict(model=args.model, batch=batch, cap_mb=CAP_MB, steps=args.steps,
                            rounds=args.rounds, times_ms=times, pair_ratios=pairs,
-                           ratio=statistics.median(pairs), same_parameters=same,
-                           torch=torch.__version__), f, indent=1)
+                           ratio={k: statistics.median(v) for k, v in pairs.items()},
+                           same_parameters=same, torch=torch.__version__), f, indent=1)
     dist.destroy_process_group()
 
 
@@ -90,11 +95,12 @@ def main(argv=None) -> int:
     mp.spawn(_worker, args=(args, 29600 + os.getpid() % 300, out), nprocs=2)
     with open(out) as f:
         result = json.load(f)
-    print(f"plain {statistics.median(result['times_ms']['plain']):.1f} ms, overlapped optimizer "
-          f"at the barrier {statistics.median(result['times_ms']['overlapped_at_barrier']):.1f}"
-          f" ms; paired ratio {result['ratio']:.3f} (blocks: "
-          f"{', '.join(f'{p:.3f}' for p in result['pair_ratios'])}); same parameters: "
+    print(f"plain {statistics.median(result['times_ms']['plain']):.1f} ms; same parameters: "
           f"{result['same_parameters']}")
+    for name in VARIANTS[1:]:
+        print(f"{name} {statistics.median(result['times_ms'][name]):.1f} ms; paired ratio to "
+              f"plain {result['ratio'][name]:.3f} (blocks: "
+              f"{', '.join(f'{p:.3f}' for p in result['pair_ratios'][name])})")
     return 0
 
 

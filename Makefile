@@ -209,8 +209,9 @@ SUITE_OUT ?= run/suite
 bench-suite: build
 	mkdir -p $(SUITE_OUT)
 	$(VPY) benchmarks/bench.py --link 1gbit --nproc 2 --model $(SUITE_MODELS) \
-	    --impl torch,auto,overlap,sharded --loop-steps $(SUITE_LOOP) --steps 3 --rounds $(SUITE_ROUNDS) \
-	    --caps-once --warmup 30 --overlap-gantt $(SUITE_OUT)/gantt.png --json $(SUITE_OUT)/suite.json
+	    --impl torch,auto,overlap,sharded --loop-steps $(SUITE_LOOP) --steps 3 \
+	    --rounds $(SUITE_ROUNDS) --caps-once --warmup 30 --overlap-gantt $(SUITE_OUT)/gantt.png \
+	    --json $(SUITE_OUT)/suite.json
 	$(VPY) benchmarks/suite_report.py $(SUITE_OUT)/suite.json --plot $(SUITE_OUT)/suite.png
 
 # 10,000 steps at world size 2, the plain step and the overlapped optimizer: parameters identical

@@ -407,10 +407,11 @@ def main():
                 entry[f"{v}_timeline"] = built[v].timeline(4)  # rank 0's
                 entry[f"{v}_buffer_start_ms"], entry[f"{v}_buffer_wait_ms"] = \
                     buffer_waits_ms(built[v])
-        for v in ("auto", "overlap"):
+        for v in ("auto", "overlap"):  # their bucket autotunes' logs (overlap: its buckets above)
             if v in built:
                 entry[f"{v}_log"] = built[v].autotune_log
-                entry[f"{v}_buckets"] = len(built[v].bucket_plan())
+        if "auto" in built:
+            entry["auto_buckets"] = len(built["auto"].bucket_plan())
         results["default" if cap is None else f"{cap:g}"] = entry
     if rank == 0:
         with open(args.out, "w") as f:

@@ -30,10 +30,9 @@ def chosen(entry: dict, variant: str) -> str:
 def caps(entry: dict, variant: str) -> str:
     """What the variant's bucket autotune chose: "cap 1 MB, 11 buckets", or "recalled" (the
     run's shared tuning cache: bench.py --caps-once) with the buckets."""
-    events = [e for e in entry.get(f"{variant}_log", []) if e.get("event") == "chosen"]
-    if not events:
+    last = last_event(entry, variant, "chosen", log="log")
+    if last is None:
         return "-"
-    last = events[-1]
     plan = "recalled (the barrier's)" if last.get("plan") == "remembered" else last.get("plan")
     return f"{plan}, {last.get('buckets')} buckets"
 

@@ -38,9 +38,10 @@ def _over(entry: dict, variant: str, key: str) -> str:
     return f"{entry[variant]['median_ms'] / entry[key]:.3f}"
 
 
-def last_event(entry: dict, variant: str, event: str) -> dict | None:
-    """The last `event` ("planned", "chosen", ...) of the variant's schedule log, or None."""
-    events = [x for x in entry.get(f"{variant}_schedule", []) if x["event"] == event]
+def last_event(entry: dict, variant: str, event: str, log: str = "schedule") -> dict | None:
+    """The last `event` ("planned", "chosen", ...) of the variant's schedule log (or of its
+    bucket autotune's: log="log"), or None."""
+    events = [x for x in entry.get(f"{variant}_{log}", []) if x.get("event") == event]
     return events[-1] if events else None
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from pyreducer.testing.ranks import subprocess_env
+from pyreducer.testing.torchft_replica import read_log
 
 DEFAULTS = dict(pg_timeout_s=5, manager_timeout_s=10, quorum_timeout_s=40, bucket_cap_mb=0.005,
                 pace_s=0.0)
@@ -65,8 +66,7 @@ def run_job(impl: str, replicas: int, steps: int, workdir, min_replicas: int | N
         lives, events, begin = _run_replicas(place, config, replicas, fail, timeout_s, workdir)
     results = {r: torch.load(workdir / f"replica{r}.pt") for r in range(replicas)
                if (workdir / f"replica{r}.pt").exists()}
-    log = [json.loads(line) for r in range(replicas) if (workdir / f"replica{r}.jsonl").exists()
-           for line in (workdir / f"replica{r}.jsonl").read_text().splitlines()]
+    log = [e for r in range(replicas) for e in read_log(str(workdir / f"replica{r}.jsonl"))]
     return dict(results=results, log=log, lives=lives, seconds=time.monotonic() - begin,
                 events=events)
 
@@ -211,10 +211,9 @@ def _tail(workdir, replica, attempt, chars=1500, steps=6) -> str:
     """A life's last output, then the last `steps` lines of its replica's step log."""
     path = Path(workdir) / f"replica{replica}.life{attempt}.err"
     out = path.read_text()[-chars:] if path.exists() else "(no output)"
-    log = Path(workdir) / f"replica{replica}.jsonl"
-    lines = log.read_text().splitlines()[-steps:] if log.exists() else []
     keys = ("attempt", "step", "quorum", "participants", "participating", "committed")
-    logged = [{k: e.get(k) for k in keys} for e in map(json.loads, lines)]
+    logged = [{k: e.get(k) for k in keys}
+              for e in read_log(str(Path(workdir) / f"replica{replica}.jsonl"))[-steps:]]
     return f"{out} (step log, last {len(logged)}: {logged})"
 
 

@@ -22,11 +22,12 @@ them in its first quorum rather than healing the late ones in), "plan" ("torchft
 wrapper gets torchft's own DDP's buckets, torchft_plan), "await_rejoin" (seconds: after a step
 that was not committed, and in a restarted life, a replica sleeps that long after each step,
 and trains past `steps` if need be, until a committed step has had every replica in it, as
-every replica logged it (_all_back): the restarted replica rejoins the survivor, whatever its restart takes, instead of training alone
-after the survivor is done), "accumulate" (micro-batches a step, all but the last under
-no_sync()), "edges" (pyreducer's wrapper: before the first quorum and after the last
-should_commit(), a forward with grad on, then its backward; what each did goes into the output's
-"edges": Note [One quorum, one backward] in pyreducer/torchft.py).
+every replica logged it (_all_back): the restarted replica rejoins the survivor, whatever its
+restart takes, instead of training alone after the survivor is done), "accumulate"
+(micro-batches a step, all but the last under no_sync()), "edges" (pyreducer's wrapper: before
+the first quorum and after the last should_commit(), a forward with grad on, then its backward;
+what each did goes into the output's "edges": Note [One quorum, one backward] in
+pyreducer/torchft.py).
 """
 from __future__ import annotations
 
@@ -264,14 +265,14 @@ def _all_back(config: dict, entry: dict, timeout_s: float = 30.0) -> bool:
         return False
     logs = os.path.dirname(config["log"])
     key = (entry["quorum"], entry["step"])
-    ordinal = sum(1 for e in _entries(config["log"]) if (e.get("quorum"), e["step"]) == key)
+    ordinal = sum(1 for e in read_log(config["log"]) if (e.get("quorum"), e["step"]) == key)
     deadline = time.monotonic() + timeout_s
     for peer in range(replicas):
         if peer == config["replica"]:
             continue
         path = os.path.join(logs, f"replica{peer}.jsonl")
         while True:
-            same = [e for e in _entries(path) if (e.get("quorum"), e["step"]) == key]
+            same = [e for e in read_log(path) if (e.get("quorum"), e["step"]) == key]
             if len(same) >= ordinal:
                 if not _full(same[ordinal - 1], replicas):
                     return False
@@ -282,8 +283,9 @@ def _all_back(config: dict, entry: dict, timeout_s: float = 30.0) -> bool:
     return True
 
 
-def _entries(path: str) -> list[dict]:
-    """A step log's whole lines (a line being written is left out)."""
+def read_log(path: str) -> list[dict]:
+    """A step log's entries, whole lines only (a line being written, or cut by a kill, is left
+    out); [] where there is no log."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
